@@ -1,0 +1,38 @@
+# Both targets do all set-up themselves on a fresh Debian machine.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint setup redis-server clean
+
+setup: $(STAMP) redis-server
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	# The CPU wheel first: anything else would pull a multi-GB CUDA build.
+	$(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+	  else \
+	    echo "redis-server is missing: run 'sudo apt-get install redis-server' and retry"; exit 1; \
+	  fi; }
+
+demo: setup
+	$(VPY) -m benchmarks.demo
+
+lint: setup
+	$(VENV)/bin/ruff check engine worker producer tests benchmarks
+	$(VENV)/bin/mypy engine
+
+test: setup lint
+	$(VPY) -m pytest -q -x tests
+
+clean:
+	rm -rf $(VENV)

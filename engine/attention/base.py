@@ -1,0 +1,55 @@
+"""The attention backend contract and the paged KV cache layout both backends share.
+
+Cache layout (one tensor for the whole model, allocated by engine/kv_cache.py):
+
+    cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]   (contiguous)
+
+cache[layer, 0] is the key cache and cache[layer, 1] the value cache of that layer, each a
+contiguous [num_blocks, block_size, num_kv_heads, head_size] view. Token `t` of a sequence lives
+in physical block `block_table[t // block_size]`, row `t % block_size`; its flat slot is
+`block * block_size + t % block_size`.
+
+A batch is flat: the new tokens of all scheduled sequences, concatenated. Sequence i owns query rows
+query_start_loc[i] : query_start_loc[i+1]; its context after this step is seq_lens[i] tokens, so
+its queries sit at positions seq_lens[i] - q_len_i ... seq_lens[i] - 1 and each attends causally
+to every cached key at a position <= its own. Keys at positions >= seq_lens[i] (the stale tail of
+the last block) are never read into the result.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = do not write
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    num_decode_seqs: int  # the first num_decode_seqs sequences have exactly one query each
+    seq_lens_list: list[int]  # host copies, for backends that loop on the host
+    query_lens_list: list[int]
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the cache layout above. All methods run on the cache's device."""
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """reshape_and_cache: key/value [num_tokens, num_kv_heads, head_size] into their slots."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query [num_tokens, num_heads, head_size] -> output of the same shape."""
+
+    @abstractmethod
+    def copy_blocks(self, cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: cache[:, :, dst[i]] = cache[:, :, src[i]] for every layer, K and V."""

@@ -1,0 +1,71 @@
+"""EngineConfig: every knob of the engine, validated once (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_GIB = 1 << 30
+DTYPES = ("float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory: int = 4 * _GIB  # bytes of KV cache on the CPU
+    gpu_memory_utilization: float = 0.9  # fraction of free device memory on CUDA
+    swap_space: float = 4.0  # host swap space: GiB when < 1024, else bytes
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+    seed: int = 0
+    preemption_mode: str = "auto"
+    watermark: float = 0.01
+    artificial_preemption_prob: float = 0.0
+    artificial_preemption_seed: int = 0
+    artificial_preemption_max: int = 500
+    attention_backend: str | None = None  # "torch" | "cupy"; None picks by device
+    num_threads: int | None = None  # torch intra-op threads on the CPU
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override must be at least 1, "
+                             f"got {self.num_gpu_blocks_override}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1, "
+                             f"got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not 0.0 <= self.artificial_preemption_prob <= 1.0:
+            raise ValueError("artificial_preemption_prob must be in [0, 1], "
+                             f"got {self.artificial_preemption_prob}")
+        if self.attention_backend not in (None, "torch", "cupy"):
+            raise ValueError("attention_backend must be 'torch' or 'cupy', "
+                             f"got {self.attention_backend!r}")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * _GIB) if self.swap_space < 1024 else int(self.swap_space)

@@ -1,0 +1,121 @@
+"""SamplingParams: what one request asks the engine to generate (vLLM's field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_INT_LIMIT = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.best_of is None:
+            self.best_of = self.n
+        self._validate()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from a plain mapping (the wire form); unknown keys are a ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 and not self.use_beam_search
+
+    def _validate(self) -> None:
+        _check_type("n", self.n, int)
+        _check_type("best_of", self.best_of, int)
+        _check_type("top_k", self.top_k, int)
+        _check_type("min_tokens", self.min_tokens, int)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "length_penalty"):
+            _check_type(name, getattr(self, name), (int, float))
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        assert self.best_of is not None
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_type("seed", self.seed, int)
+            if not 0 <= self.seed <= _INT_LIMIT:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.max_tokens is not None:
+            _check_type("max_tokens", self.max_tokens, int)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                             f"({self.max_tokens})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.logprobs is not None:
+            _check_type("logprobs", self.logprobs, int)
+            if not 0 <= self.logprobs <= 20:
+                raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.use_beam_search:
+            if self.best_of < 2:
+                raise ValueError("beam search needs best_of (the beam width) of at least 2")
+            if self.temperature != 0.0 and self.temperature != 1.0:
+                raise ValueError("beam search is deterministic: leave temperature at 0 or 1")
+            if self.early_stopping not in (True, False, "never"):
+                raise ValueError("early_stopping must be True, False or 'never'")
+
+
+def _check_type(name: str, value: object, kind: type | tuple[type, ...]) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{name} must be of type {getattr(kind, '__name__', kind)}, "
+                         f"got {type(value).__name__} {value!r}")
