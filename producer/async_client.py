@@ -1,0 +1,136 @@
+"""AsyncClient and AsyncJob: the asyncio mirror of producer.client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import ConnectionError as RedisConnectionError
+from redis import TimeoutError as RedisTimeoutError
+
+from producer.client import (
+    BLOCK_MS,
+    DEFAULT_CANCEL_TTL,
+    DEFAULT_IDEMPOTENCY_TTL,
+    DEFAULT_STREAM_TTL,
+    DEFAULT_URL,
+    make_job_spec,
+    result_from_events,
+)
+from producer.protocol import (
+    DEFAULT_PREFIX,
+    PROTOCOL_VERSION,
+    REPLY_FIELD,
+    SUBMIT_LUA,
+    Keys,
+    decode_event,
+    encode_job_entry,
+)
+from producer.replies import ReplyDeduper
+
+
+def connect_async(url: str, *, blocking: bool = False) -> aioredis.Redis:
+    timeout = BLOCK_MS / 1000 + 10 if blocking else 5.0
+    return aioredis.Redis.from_url(url, protocol=2, socket_timeout=timeout,
+                                   socket_connect_timeout=5.0)
+
+
+class AsyncClient:
+    def __init__(self, url: str = DEFAULT_URL, *, prefix: str = DEFAULT_PREFIX,
+                 idempotency_ttl: int = DEFAULT_IDEMPOTENCY_TTL,
+                 stream_ttl: int = DEFAULT_STREAM_TTL,
+                 cancel_ttl: int = DEFAULT_CANCEL_TTL) -> None:
+        self.url = url
+        self.keys = Keys(prefix)
+        self.idempotency_ttl = idempotency_ttl
+        self.stream_ttl = stream_ttl
+        self.cancel_ttl = cancel_ttl
+        self.redis = connect_async(url)
+        self.blocking_redis = connect_async(url, blocking=True)
+        self._submit_script = self.redis.register_script(SUBMIT_LUA)
+
+    async def submit(self, prompt: str | Sequence[int], params: dict[str, Any] | None = None, *,
+                     model: str, job_id: str | None = None, deadline: float | None = None,
+                     stream: bool = True) -> AsyncJob:
+        spec = make_job_spec(prompt, params, model, job_id, deadline, stream)
+        entry = encode_job_entry(spec)
+        entry_id = await self._submit_script(
+            keys=[self.keys.idem(spec.id), self.keys.jobs(model)],
+            args=[self.idempotency_ttl, PROTOCOL_VERSION, entry["job"], self.stream_ttl])
+        return AsyncJob(self, spec.id, model, created=entry_id is not None)
+
+    def job(self, job_id: str, model: str = "") -> AsyncJob:
+        return AsyncJob(self, job_id, model, created=False)
+
+    async def cancel(self, job_id: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.cancel(job_id), 1, ex=self.cancel_ttl)
+        pipe.publish(self.keys.cancel_channel, job_id)
+        await pipe.execute()
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        await self.blocking_redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncJob:
+    def __init__(self, client: AsyncClient, job_id: str, model: str, created: bool) -> None:
+        self.client = client
+        self.id = job_id
+        self.model = model
+        self.created = created
+        self.reply_key = client.keys.reply(job_id)
+
+    def __repr__(self) -> str:
+        return f"AsyncJob(id={self.id!r}, model={self.model!r})"
+
+    async def raw_events(self, timeout: float | None = None,
+                         last_id: str = "0-0") -> AsyncIterator[dict[str, Any]]:
+        end = None if timeout is None else time.monotonic() + timeout
+        backoff = 0.05
+        conn = self.client.blocking_redis
+        while True:
+            block = BLOCK_MS if end is None else int(max(1, min(BLOCK_MS,
+                                                                (end - time.monotonic()) * 1000)))
+            try:
+                resp = await conn.xread({self.reply_key: last_id}, count=512, block=block)
+                backoff = 0.05
+            except (RedisConnectionError, RedisTimeoutError):
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                resp = []
+            entries_by_key: Any = resp or []
+            for _key, entries in entries_by_key:
+                for entry_id, fields in entries:
+                    last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    yield decode_event(fields[REPLY_FIELD.encode()])
+            if end is not None and time.monotonic() >= end:
+                raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        dedupe = ReplyDeduper()
+        async for raw in self.raw_events(timeout):
+            for event in dedupe.feed(raw):
+                yield event
+            if dedupe.finished:
+                return
+
+    async def result(self, timeout: float | None = 60.0) -> dict[str, Any]:
+        dedupe = ReplyDeduper()
+        async for raw in self.raw_events(timeout):
+            dedupe.feed(raw)
+            if dedupe.finished:
+                break
+        return result_from_events(self.id, dedupe.terminal)
+
+    async def cancel(self) -> None:
+        await self.client.cancel(self.id)

@@ -1,0 +1,191 @@
+"""The `genq` console script: a dispatcher over sub-commands.
+
+Each sub-command is "module:function" taking argv (list[str]) and returning an exit code. It is
+imported only when chosen, so `genq submit` never imports torch (only `genq worker` does). Adding
+a command is one line in COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, decode_heartbeat
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "submit": ("producer.cli:submit_main", "submit one job and stream its text"),
+    "status": ("producer.cli:status_main", "queues and workers as a table"),
+    "worker": ("worker.main:main", "serve one model on one device (imports the engine)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"genq: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name = COMMANDS[name][0].split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(rest) or 0)
+
+
+def _usage() -> str:
+    lines = ["usage: genq <command> [options]", "", "commands:"]
+    lines += [f"  {name:<14} {help_}" for name, (_target, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def add_redis_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"),
+                        help="Redis URL (env GENQ_REDIS)")
+    parser.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX),
+                        help="key prefix (env GENQ_PREFIX)")
+
+
+# --------------------------------------------------------------------------- submit
+
+def submit_main(argv: list[str]) -> int:
+    from producer.client import Client, JobError
+
+    parser = argparse.ArgumentParser(prog="genq submit", description="submit one job")
+    parser.add_argument("prompt")
+    parser.add_argument("--model", required=True, help="served model name")
+    add_redis_args(parser)
+    parser.add_argument("--n", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--job-id", default=None, help="idempotency key: an id runs once")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--json", action="store_true", help="print the done event as JSON")
+    args = parser.parse_args(argv)
+    params = {k: v for k, v in (("n", args.n), ("max_tokens", args.max_tokens),
+                                ("temperature", args.temperature), ("top_p", args.top_p),
+                                ("top_k", args.top_k), ("seed", args.seed), ("stop", args.stop))
+              if v is not None}
+    with Client(args.redis, prefix=args.prefix) as client:
+        try:
+            job = client.submit(args.prompt, params, model=args.model, job_id=args.job_id)
+        except ProtocolError as exc:
+            print(f"genq submit: {exc}", file=sys.stderr)
+            return 2
+        live = not args.json and params.get("n", 1) == 1
+        try:
+            for event in job.stream(timeout=args.timeout):
+                if live and event["type"] == "tokens":
+                    print(event["text"], end="", flush=True)
+                elif live and event["type"] == "restart":
+                    print(f"\n[restart: {event['reason']}]", flush=True)
+                elif event["type"] == "error":
+                    raise JobError(job.id, event["code"], event["message"])
+                elif event["type"] == "done":
+                    _print_done(event, args.json, live)
+        except JobError as exc:
+            print(f"\ngenq submit: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            job.cancel()
+            print(f"\ngenq submit: cancelled job {job.id}", file=sys.stderr)
+            return 130
+        except TimeoutError as exc:
+            print(f"\ngenq submit: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _print_done(event: dict[str, Any], as_json: bool, live: bool) -> None:
+    if as_json:
+        print(json.dumps(event, ensure_ascii=False))
+        return
+    if live:
+        print()
+    else:
+        for out in event["outputs"]:
+            print(f"[{out['index']}] {out['text']}")
+    reasons = ",".join(str(o["finish_reason"]) for o in event["outputs"])
+    print(f"-- finish={reasons} usage={event['usage']}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- status
+
+def status_main(argv: list[str]) -> int:
+    from producer.client import connect
+
+    parser = argparse.ArgumentParser(prog="genq status", description="queues and workers")
+    add_redis_args(parser)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    keys = Keys(args.prefix)
+    conn = connect(args.redis)
+    report = {"queues": queue_rows(conn, keys), "workers": worker_rows(conn, keys)}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(format_table(report["queues"], ["model", "length", "lag", "pending", "dead",
+                                          "consumers"]))
+    print()
+    print(format_table(report["workers"], ["name", "model", "device", "heartbeat_age_s",
+                                           "running", "waiting", "capacity", "kv_usage"]))
+    return 0
+
+
+def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
+    rows = []
+    for raw in sorted(conn.scan_iter(match=f"{keys.jobs_prefix}*", _type="stream")):
+        key = raw.decode()
+        model = key[len(keys.jobs_prefix):]
+        groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
+                  for g in conn.xinfo_groups(key)}
+        group = groups.get(keys.group, {})
+        rows.append({"model": model, "length": conn.xlen(key), "lag": group.get("lag"),
+                     "pending": group.get("pending", 0), "dead": conn.xlen(keys.dead(model)),
+                     "consumers": group.get("consumers", 0)})
+    return rows
+
+
+def worker_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
+    rows = []
+    now = time.time()
+    for raw in sorted(conn.scan_iter(match=f"{keys.worker_prefix}*")):
+        value = conn.get(raw)
+        if value is None:
+            continue
+        try:
+            info = decode_heartbeat(value)
+        except ProtocolError:
+            continue
+        total = info.get("num_total_blocks") or 0
+        used = total - (info.get("num_free_blocks") or 0)
+        rows.append({"name": raw.decode()[len(keys.worker_prefix):], "model": info.get("model"),
+                     "device": info.get("device"),
+                     "heartbeat_age_s": round(now - float(info.get("ts", now)), 1),
+                     "running": info.get("running"), "waiting": info.get("waiting"),
+                     "capacity": info.get("capacity"),
+                     "kv_usage": f"{100 * used / total:.0f}%" if total else "-"})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    cells = [[str(c) for c in columns]] + [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in cells]
+    if not rows:
+        lines.append("(none)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Client and Job: submit generation jobs to a genq fleet and read their replies (blocking API)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import redis
+
+from producer.protocol import (
+    DEFAULT_PREFIX,
+    PROTOCOL_VERSION,
+    REPLY_FIELD,
+    SUBMIT_LUA,
+    JobSpec,
+    Keys,
+    check_job_spec,
+    decode_event,
+    encode_job_entry,
+)
+from producer.replies import ReplyDeduper
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_IDEMPOTENCY_TTL = 24 * 3600
+DEFAULT_STREAM_TTL = 7 * 24 * 3600
+DEFAULT_CANCEL_TTL = 3600
+BLOCK_MS = 1000
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+class JobError(RuntimeError):
+    """A job ended with an error event (code is e.g. "cancelled", "invalid_params")."""
+
+    def __init__(self, job_id: str, code: str, message: str) -> None:
+        super().__init__(f"job {job_id} failed ({code}): {message}")
+        self.job_id = job_id
+        self.code = code
+        self.message = message
+
+
+def connect(url: str, *, blocking: bool = False) -> redis.Redis:
+    """A Redis client; a blocking one gets a socket timeout well above the BLOCK time."""
+    timeout = BLOCK_MS / 1000 + 10 if blocking else 5.0
+    return redis.Redis.from_url(url, protocol=2, socket_timeout=timeout,
+                                socket_connect_timeout=5.0)
+
+
+def make_job_spec(prompt: str | Sequence[int], params: dict[str, Any] | None, model: str,
+                  job_id: str | None, deadline: float | None, stream: bool) -> JobSpec:
+    """Build and check a job. Sampling without a seed gets one here, so a replay after a failover
+    samples the same tokens."""
+    params = dict(params or {})
+    seed = None
+    if params.get("seed") is None and params.get("temperature", 1.0) != 0:
+        seed = secrets.randbits(63)
+    text = prompt if isinstance(prompt, str) else None
+    ids = None if isinstance(prompt, str) else list(prompt)
+    spec = JobSpec(id=job_id or uuid.uuid4().hex, model=model, prompt=text, prompt_token_ids=ids,
+                   params=params, seed=seed, created=time.time(), deadline=deadline,
+                   stream=stream)
+    return check_job_spec(spec)
+
+
+def result_from_events(job_id: str, terminal: dict[str, Any] | None) -> dict[str, Any]:
+    if terminal is None:
+        raise JobError(job_id, "no_result", "the reply stream ended without a terminal event")
+    if terminal["type"] == "error":
+        raise JobError(job_id, terminal["code"], terminal["message"])
+    return terminal
+
+
+class Client:
+    """Blocking client. `submit` is idempotent per job id (the id runs once)."""
+
+    def __init__(self, url: str = DEFAULT_URL, *, prefix: str = DEFAULT_PREFIX,
+                 idempotency_ttl: int = DEFAULT_IDEMPOTENCY_TTL,
+                 stream_ttl: int = DEFAULT_STREAM_TTL,
+                 cancel_ttl: int = DEFAULT_CANCEL_TTL) -> None:
+        self.url = url
+        self.keys = Keys(prefix)
+        self.idempotency_ttl = idempotency_ttl
+        self.stream_ttl = stream_ttl
+        self.cancel_ttl = cancel_ttl
+        self.redis = connect(url)
+        self.blocking_redis = connect(url, blocking=True)
+        self._submit_script = self.redis.register_script(SUBMIT_LUA)
+
+    def submit(self, prompt: str | Sequence[int], params: dict[str, Any] | None = None, *,
+               model: str, job_id: str | None = None, deadline: float | None = None,
+               stream: bool = True) -> Job:
+        spec = make_job_spec(prompt, params, model, job_id, deadline, stream)
+        entry = encode_job_entry(spec)
+        entry_id = self._submit_script(
+            keys=[self.keys.idem(spec.id), self.keys.jobs(model)],
+            args=[self.idempotency_ttl, PROTOCOL_VERSION, entry["job"], self.stream_ttl])
+        return Job(self, spec.id, model, created=entry_id is not None)
+
+    def job(self, job_id: str, model: str = "") -> Job:
+        """A handle on a job submitted elsewhere (to stream or cancel it)."""
+        return Job(self, job_id, model, created=False)
+
+    def cancel(self, job_id: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.cancel(job_id), 1, ex=self.cancel_ttl)
+        pipe.publish(self.keys.cancel_channel, job_id)
+        pipe.execute()
+
+    def close(self) -> None:
+        self.redis.close()
+        self.blocking_redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Job:
+    """One submitted job. `created` is False when the id had already been submitted."""
+
+    def __init__(self, client: Client, job_id: str, model: str, created: bool) -> None:
+        self.client = client
+        self.id = job_id
+        self.model = model
+        self.created = created
+        self.reply_key = client.keys.reply(job_id)
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, model={self.model!r})"
+
+    def raw_events(self, timeout: float | None = None,
+                   last_id: str = "0-0") -> Iterator[dict[str, Any]]:
+        """Every event in the reply stream, in order, across reconnects (resumes from the last
+        id read). Raises TimeoutError when `timeout` seconds pass without the stream ending."""
+        end = None if timeout is None else time.monotonic() + timeout
+        backoff = 0.05
+        conn = self.client.blocking_redis
+        while True:
+            block = BLOCK_MS if end is None else int(max(1, min(BLOCK_MS,
+                                                                (end - time.monotonic()) * 1000)))
+            try:
+                resp = conn.xread({self.reply_key: last_id}, count=512, block=block)
+                backoff = 0.05
+            except _RETRYABLE:
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                resp = []
+            entries_by_key: Any = resp or []
+            for _key, entries in entries_by_key:
+                for entry_id, fields in entries:
+                    last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    yield decode_event(fields[REPLY_FIELD.encode()])
+            if end is not None and time.monotonic() >= end:
+                raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")
+
+    def stream(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """started / tokens / restart / done / error events; each (index, pos) once."""
+        dedupe = ReplyDeduper()
+        for raw in self.raw_events(timeout):
+            yield from dedupe.feed(raw)
+            if dedupe.finished:
+                return
+
+    def result(self, timeout: float | None = 60.0) -> dict[str, Any]:
+        """The done event: outputs[i]["token_ids"/"text"/"finish_reason"], usage, timing.
+        Raises JobError if the job ended with an error."""
+        dedupe = ReplyDeduper()
+        for raw in self.raw_events(timeout):
+            dedupe.feed(raw)
+            if dedupe.finished:
+                break
+        return result_from_events(self.id, dedupe.terminal)
+
+    def cancel(self) -> None:
+        self.client.cancel(self.id)

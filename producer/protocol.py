@@ -1,0 +1,487 @@
+"""The genq wire protocol: the ONE definition of key names, job entries and reply events.
+
+Everything that crosses Redis is MessagePack (never pickle) and is decoded strictly: an unknown
+field, a wrong type, a missing field, an oversized payload or an id outside [A-Za-z0-9_.:-] is a
+`ProtocolError` with a code and a message a person can act on, never a crash.
+
+Keys (prefix configurable, default "genq"):
+    <p>:jobs:<model>    stream of job entries, consumer group "workers"; fields v, job [, a]
+    <p>:dead:<model>    dead-letter stream: fields reason, code, entry, worker [, job]
+    <p>:reply:<id>      reply stream of one job; field e = one event
+    <p>:cancel:<id>     cancel flag (with TTL) + a publish of <id> on <p>:cancel
+    <p>:worker:<name>   heartbeat of one worker (value: msgpack map, short TTL)
+    <p>:idem:<id>       idempotency key set by submit (a job id runs once)
+
+Job entry field `a` (optional) is the number of attempts that ran before this entry was (re-)added,
+so attempt numbers keep increasing when a draining worker hands a job back.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFIX = "genq"
+CONSUMER_GROUP = "workers"
+REPLY_FIELD = "e"
+MAX_NAME_LEN = 128
+DEFAULT_MAX_JOB_BYTES = 1 << 20
+DEFAULT_MAX_EVENT_BYTES = 64 << 20
+_INT64_MAX = 2**63 - 1
+_NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
+
+EVENT_TYPES = ("started", "tokens", "done", "error")
+TERMINAL_EVENT_TYPES = ("done", "error")
+
+
+class ProtocolError(ValueError):
+    """A payload or name that does not follow the wire protocol.
+
+    `code` is machine-readable (e.g. "unknown_field"); `job_id` is set when the payload's id was
+    itself valid, so a worker can answer on that job's reply stream.
+    """
+
+    def __init__(self, code: str, message: str, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.job_id = job_id
+
+
+def validate_name(value: object, what: str = "job id") -> str:
+    """A name that may become part of a Redis key: 1..128 chars of [A-Za-z0-9_.:-]."""
+    if not isinstance(value, str):
+        raise ProtocolError("bad_id", f"{what} must be a string, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_NAME_LEN or not _NAME_RE.fullmatch(value):
+        raise ProtocolError("bad_id", f"{what} {value[:MAX_NAME_LEN]!r} must be 1-{MAX_NAME_LEN} "
+                                      "characters from [A-Za-z0-9_.:-]")
+    return value
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key and channel genq uses, built from validated names only."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        validate_name(self.prefix, "key prefix")
+
+    @property
+    def group(self) -> str:
+        return CONSUMER_GROUP
+
+    @property
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+    @property
+    def worker_prefix(self) -> str:
+        return f"{self.prefix}:worker:"
+
+    @property
+    def jobs_prefix(self) -> str:
+        return f"{self.prefix}:jobs:"
+
+    def jobs(self, model: str) -> str:
+        return f"{self.prefix}:jobs:{validate_name(model, 'model name')}"
+
+    def dead(self, model: str) -> str:
+        return f"{self.prefix}:dead:{validate_name(model, 'model name')}"
+
+    def reply(self, job_id: str) -> str:
+        return f"{self.prefix}:reply:{validate_name(job_id)}"
+
+    def cancel(self, job_id: str) -> str:
+        return f"{self.prefix}:cancel:{validate_name(job_id)}"
+
+    def idem(self, job_id: str) -> str:
+        return f"{self.prefix}:idem:{validate_name(job_id)}"
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}:worker:{validate_name(name, 'worker name')}"
+
+
+# --------------------------------------------------------------------------- type checks
+
+Check = Callable[[object], bool]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(float(v))  # type: ignore[arg-type]
+
+
+def _opt(check: Check) -> Check:
+    return lambda v: v is None or check(v)
+
+
+def _list_of(check: Check) -> Check:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _is_uint64(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _INT64_MAX
+
+
+def _is_bool(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_str(v: object) -> bool:
+    return isinstance(v, str)
+
+
+# The SamplingParams fields (engine/sampling_params.py) and the wire types each accepts. The engine
+# does the full value validation; this table lets a producer fail fast without importing the engine
+# (a test holds it equal to the engine's dataclass fields).
+SAMPLING_PARAM_CHECKS: dict[str, tuple[Check, str]] = {
+    "n": (_is_int, "int"),
+    "best_of": (_opt(_is_int), "int or None"),
+    "temperature": (_is_num, "number"),
+    "top_p": (_is_num, "number"),
+    "top_k": (_is_int, "int"),
+    "min_p": (_is_num, "number"),
+    "seed": (_opt(_is_int), "int or None"),
+    "max_tokens": (_opt(_is_int), "int or None"),
+    "min_tokens": (_is_int, "int"),
+    "stop": (lambda v: _is_str(v) or _list_of(_is_str)(v), "str or list of str"),
+    "stop_token_ids": (_list_of(_is_int), "list of int"),
+    "ignore_eos": (_is_bool, "bool"),
+    "logprobs": (_opt(_is_int), "int or None"),
+    "presence_penalty": (_is_num, "number"),
+    "frequency_penalty": (_is_num, "number"),
+    "repetition_penalty": (_is_num, "number"),
+    "use_beam_search": (_is_bool, "bool"),
+    "length_penalty": (_is_num, "number"),
+    "early_stopping": (lambda v: _is_bool(v) or _is_str(v), "bool or str"),
+    "include_stop_str_in_output": (_is_bool, "bool"),
+    "skip_special_tokens": (_is_bool, "bool"),
+}
+SAMPLING_PARAM_NAMES = frozenset(SAMPLING_PARAM_CHECKS)
+
+
+def check_params(params: object, job_id: str | None = None) -> dict[str, Any]:
+    """Names and wire types of sampling params, plus the few values a producer can judge alone."""
+    if not isinstance(params, dict):
+        raise ProtocolError("wrong_type", f"params must be a map, got {type(params).__name__}",
+                            job_id)
+    unknown = sorted(str(k) for k in params if k not in SAMPLING_PARAM_CHECKS)
+    if unknown:
+        raise ProtocolError("unknown_field", f"unknown sampling parameter(s): {', '.join(unknown)};"
+                            f" known: {', '.join(sorted(SAMPLING_PARAM_NAMES))}", job_id)
+    for name, value in params.items():
+        check, kind = SAMPLING_PARAM_CHECKS[name]
+        if not check(value):
+            raise ProtocolError("wrong_type", f"params.{name} must be {kind}, "
+                                f"got {type(value).__name__} {value!r:.80}", job_id)
+    for name in ("n", "max_tokens"):
+        if params.get(name) is not None and params[name] < 1:
+            raise ProtocolError("invalid_params", f"params.{name} must be at least 1, "
+                                f"got {params[name]}", job_id)
+    return params
+
+
+# --------------------------------------------------------------------------- jobs
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One generation job as it travels in the job stream."""
+
+    id: str
+    model: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    created: float = 0.0
+    deadline: float | None = None
+    stream: bool = True
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"id": self.id, "model": self.model, "params": self.params,
+                                "seed": self.seed, "created": self.created,
+                                "deadline": self.deadline, "stream": self.stream}
+        if self.prompt is not None:
+            wire["prompt"] = self.prompt
+        else:
+            wire["prompt_token_ids"] = self.prompt_token_ids
+        return wire
+
+
+_JOB_FIELDS: dict[str, tuple[Check, str]] = {
+    "id": (_is_str, "str"),
+    "model": (_is_str, "str"),
+    "prompt": (_is_str, "str"),
+    "prompt_token_ids": (_list_of(_is_uint64), "list of int"),
+    "params": (lambda v: isinstance(v, dict), "map"),
+    "seed": (_opt(_is_uint64), "int in [0, 2**63) or None"),
+    "created": (_is_num, "number"),
+    "deadline": (_opt(_is_num), "number or None"),
+    "stream": (_is_bool, "bool"),
+}
+_REQUIRED_JOB_FIELDS = ("id", "model", "params")
+
+
+def check_job_spec(spec: JobSpec) -> JobSpec:
+    """What a producer checks before enqueueing (the worker checks the same on decode)."""
+    return _job_from_map(spec.to_wire())
+
+
+def encode_job_entry(spec: JobSpec, attempt_base: int = 0) -> dict[str, bytes]:
+    """The fields of one job-stream entry."""
+    fields = {"v": str(PROTOCOL_VERSION).encode(), "job": _pack(spec.to_wire())}
+    if attempt_base:
+        fields["a"] = str(attempt_base).encode()
+    return fields
+
+
+def decode_job_entry(fields: Mapping[bytes | str, bytes | str],
+                     max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> tuple[JobSpec, int]:
+    """Strictly decode one job-stream entry -> (spec, attempt_base). Raises ProtocolError."""
+    raw = {_text(k): v for k, v in fields.items()}
+    unknown = sorted(set(raw) - {"v", "job", "a"})
+    if unknown:
+        raise ProtocolError("unknown_field", f"unknown entry field(s): {', '.join(unknown)}")
+    if "v" not in raw or "job" not in raw:
+        raise ProtocolError("missing_field", "a job entry needs the fields 'v' and 'job'")
+    if _text(raw["v"]) != str(PROTOCOL_VERSION):
+        raise ProtocolError("bad_version", f"protocol version {_text(raw['v'])[:20]!r} is not "
+                            f"supported (this worker speaks {PROTOCOL_VERSION})")
+    attempt_base = 0
+    if "a" in raw:
+        a = _text(raw["a"])
+        if not a.isdigit() or len(a) > 9:
+            raise ProtocolError("wrong_type", f"entry field 'a' must be a small integer, got {a!r}")
+        attempt_base = int(a)
+    payload = raw["job"]
+    if isinstance(payload, str):
+        payload = payload.encode()
+    if len(payload) > max_job_bytes:
+        raise ProtocolError("too_large", f"job payload is {len(payload)} bytes, over the limit of "
+                            f"{max_job_bytes}")
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        raise ProtocolError("malformed", f"job payload is not valid MessagePack: "
+                            f"{type(exc).__name__}: {exc}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("wrong_type", f"job payload must be a map, got {type(obj).__name__}")
+    return _job_from_map(obj), attempt_base
+
+
+def _job_from_map(obj: dict[Any, Any]) -> JobSpec:
+    job_id = obj.get("id")
+    valid_id: str | None = None
+    try:
+        valid_id = validate_name(job_id)
+    except ProtocolError as exc:
+        raise ProtocolError("bad_id", str(exc)) from None
+    unknown = sorted(str(k) for k in obj if k not in _JOB_FIELDS)
+    if unknown:
+        raise ProtocolError("unknown_field", f"unknown job field(s): {', '.join(unknown)}",
+                            valid_id)
+    for name in _REQUIRED_JOB_FIELDS:
+        if name not in obj:
+            raise ProtocolError("missing_field", f"job field {name!r} is required", valid_id)
+    for name, value in obj.items():
+        check, kind = _JOB_FIELDS[name]
+        if not check(value):
+            raise ProtocolError("wrong_type", f"job field {name!r} must be {kind}, "
+                                f"got {type(value).__name__}", valid_id)
+    try:
+        validate_name(obj["model"], "model name")
+    except ProtocolError as exc:
+        raise ProtocolError("unknown_model", str(exc), valid_id) from None
+    has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
+    if has_text == has_ids:
+        raise ProtocolError("missing_field", "a job needs exactly one of 'prompt' and "
+                            "'prompt_token_ids'", valid_id)
+    if (obj.get("prompt") == "") or (has_ids and not obj["prompt_token_ids"]):
+        raise ProtocolError("bad_prompt", "the prompt is empty", valid_id)
+    return JobSpec(id=valid_id, model=obj["model"], prompt=obj.get("prompt"),
+                   prompt_token_ids=obj.get("prompt_token_ids"),
+                   params=check_params(obj["params"], valid_id), seed=obj.get("seed"),
+                   created=float(obj.get("created", 0.0)),
+                   deadline=None if obj.get("deadline") is None else float(obj["deadline"]),
+                   stream=obj.get("stream", True))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Payload caps a worker (and the gateway, before enqueueing) enforces."""
+
+    max_job_bytes: int = DEFAULT_MAX_JOB_BYTES
+    max_prompt_bytes: int = 256 << 10
+    max_prompt_tokens: int | None = None  # None: the model's max_model_len decides
+    max_tokens: int = 4096
+    max_n: int = 16
+    max_stop: int = 16
+    max_stop_bytes: int = 256
+
+
+def check_limits(spec: JobSpec, limits: Limits) -> None:
+    """Raise ProtocolError(code "limit_exceeded") when a job is over a cap."""
+    def over(message: str) -> ProtocolError:
+        return ProtocolError("limit_exceeded", message, spec.id)
+
+    if spec.prompt is not None and len(spec.prompt.encode()) > limits.max_prompt_bytes:
+        raise over(f"prompt is {len(spec.prompt.encode())} bytes, over the cap of "
+                   f"{limits.max_prompt_bytes}")
+    if (limits.max_prompt_tokens is not None and spec.prompt_token_ids is not None
+            and len(spec.prompt_token_ids) > limits.max_prompt_tokens):
+        raise over(f"prompt has {len(spec.prompt_token_ids)} tokens, over the cap of "
+                   f"{limits.max_prompt_tokens}")
+    p = spec.params
+    if p.get("max_tokens") is None and "max_tokens" in p:
+        raise over(f"max_tokens must be set (at most {limits.max_tokens})")
+    if (p.get("max_tokens") or 0) > limits.max_tokens:
+        raise over(f"max_tokens={p['max_tokens']} is over the cap of {limits.max_tokens}")
+    for name in ("n", "best_of"):
+        if (p.get(name) or 0) > limits.max_n:
+            raise over(f"{name}={p[name]} is over the cap of {limits.max_n}")
+    stop = [p["stop"]] if isinstance(p.get("stop"), str) else p.get("stop", [])
+    if len(stop) > limits.max_stop or any(len(s.encode()) > limits.max_stop_bytes for s in stop):
+        raise over(f"at most {limits.max_stop} stop strings of at most {limits.max_stop_bytes} "
+                   "bytes each")
+    if len(p.get("stop_token_ids", [])) > limits.max_stop:
+        raise over(f"at most {limits.max_stop} stop_token_ids")
+
+
+# --------------------------------------------------------------------------- reply events
+
+def started_event(attempt: int, worker: str) -> dict[str, Any]:
+    return {"type": "started", "attempt": attempt, "worker": worker}
+
+
+def tokens_event(attempt: int, index: int, pos: int, token_ids: list[int], text: str,
+                 logprobs: list[list[list[float]]] | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {"type": "tokens", "attempt": attempt, "index": index, "pos": pos,
+                             "token_ids": token_ids, "text": text}
+    if logprobs is not None:
+        event["logprobs"] = logprobs  # per position: [[token_id, logprob], ...]
+    return event
+
+
+def done_event(attempt: int, outputs: list[dict[str, Any]], usage: dict[str, int],
+               timing: dict[str, float]) -> dict[str, Any]:
+    return {"type": "done", "attempt": attempt, "outputs": outputs, "usage": usage,
+            "timing": timing}
+
+
+def error_event(attempt: int, code: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "attempt": attempt, "code": code, "message": message}
+
+
+_OUTPUT_FIELDS: dict[str, tuple[Check, str]] = {
+    "index": (_is_int, "int"),
+    "token_ids": (_list_of(_is_int), "list of int"),
+    "text": (_is_str, "str"),
+    "finish_reason": (_opt(_is_str), "str or None"),
+    "cumulative_logprob": (_opt(_is_num), "number or None"),
+    "stop_reason": (lambda v: v is None or _is_int(v) or _is_str(v), "int, str or None"),
+    "logprobs": (lambda v: v is None or isinstance(v, list), "list or None"),
+}
+_EVENT_FIELDS: dict[str, dict[str, tuple[Check, str]]] = {
+    "started": {"worker": (_is_str, "str")},
+    "tokens": {"index": (_is_int, "int"), "pos": (_is_int, "int"),
+               "token_ids": (_list_of(_is_int), "list of int"), "text": (_is_str, "str"),
+               "logprobs": (lambda v: isinstance(v, list), "list")},
+    "done": {"outputs": (_list_of(lambda o: isinstance(o, dict)), "list of maps"),
+             "usage": (lambda v: isinstance(v, dict), "map"),
+             "timing": (lambda v: isinstance(v, dict), "map")},
+    "error": {"code": (_is_str, "str"), "message": (_is_str, "str")},
+}
+_OPTIONAL_EVENT_FIELDS = {"logprobs"}
+
+
+def encode_event(event: dict[str, Any]) -> bytes:
+    return _pack(event)
+
+
+def decode_event(data: bytes, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> dict[str, Any]:
+    """Strictly decode one reply event. Raises ProtocolError."""
+    if len(data) > max_bytes:
+        raise ProtocolError("too_large", f"event is {len(data)} bytes, over {max_bytes}")
+    try:
+        event = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError("malformed", f"event is not valid MessagePack: {exc}"[:300]) from None
+    if not isinstance(event, dict):
+        raise ProtocolError("wrong_type", "an event must be a map")
+    kind = event.get("type")
+    if kind not in _EVENT_FIELDS:
+        raise ProtocolError("wrong_type", f"unknown event type {kind!r:.40}")
+    spec = {"type": (_is_str, "str"), "attempt": (_is_int, "int"), **_EVENT_FIELDS[kind]}
+    _check_map(event, spec, f"{kind} event", _OPTIONAL_EVENT_FIELDS)
+    if kind == "done":
+        for out in event["outputs"]:
+            _check_map(out, _OUTPUT_FIELDS, "done output",
+                       {"cumulative_logprob", "stop_reason", "logprobs"})
+    return event
+
+
+def _check_map(obj: dict[Any, Any], spec: dict[str, tuple[Check, str]], what: str,
+               optional: set[str] | frozenset[str] = frozenset()) -> None:
+    unknown = sorted(str(k) for k in obj if k not in spec)
+    if unknown:
+        raise ProtocolError("unknown_field", f"unknown {what} field(s): {', '.join(unknown)}")
+    for name, (check, kind) in spec.items():
+        if name not in obj:
+            if name in optional:
+                continue
+            raise ProtocolError("missing_field", f"{what} field {name!r} is required")
+        if not check(obj[name]):
+            raise ProtocolError("wrong_type", f"{what} field {name!r} must be {kind}")
+
+
+# --------------------------------------------------------------------------- heartbeat
+
+def encode_heartbeat(info: dict[str, Any]) -> bytes:
+    return _pack(info)
+
+
+def decode_heartbeat(data: bytes) -> dict[str, Any]:
+    try:
+        info = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError("malformed", f"heartbeat is not valid MessagePack: {exc}") from None
+    if not isinstance(info, dict):
+        raise ProtocolError("wrong_type", "a heartbeat must be a map")
+    return info
+
+
+# --------------------------------------------------------------------------- submit
+
+# Idempotent enqueue: the job id's idem key is set NX; only the first submit of an id adds an
+# entry. The stream's TTL is refreshed by producers and by live workers' heartbeats.
+# KEYS: idem key, jobs stream. ARGV: idem ttl, v, job payload, stream ttl.
+SUBMIT_LUA = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  local id = redis.call('XADD', KEYS[2], '*', 'v', ARGV[2], 'job', ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  return id
+end
+return false
+"""
+
+
+def _pack(obj: object) -> bytes:
+    data = msgpack.packb(obj, use_bin_type=True)
+    assert isinstance(data, bytes)
+    return data
+
+
+def _text(value: bytes | str) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return value

@@ -1,0 +1,91 @@
+"""What a client sees of a reply stream that may hold several attempts of one job.
+
+Rules (shared by Client and AsyncClient):
+- events of an attempt older than the newest seen are dropped (a superseded worker's leftovers);
+- each (sequence index, position) is delivered once across attempts: a replay's tokens that were
+  already delivered are swallowed and only the new suffix is yielded;
+- if a replay diverges from what was delivered (it should not: greedy and seeded sampling are
+  deterministic), a `restart` event comes first and the new attempt's tokens follow from pos 0;
+- the first terminal event (done or error) of the newest attempt ends the stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from producer.protocol import TERMINAL_EVENT_TYPES
+
+
+class ReplyDeduper:
+    def __init__(self) -> None:
+        self.attempt = 0
+        self.finished = False
+        self.terminal: dict[str, Any] | None = None
+        self._delivered: dict[int, tuple[list[int], str]] = {}  # what the caller has seen
+        self._current: dict[int, tuple[list[int], str]] = {}  # what the newest attempt produced
+
+    def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """One raw event in, the events to hand to the caller out (possibly none)."""
+        if self.finished or event["attempt"] < self.attempt:
+            return []
+        if event["attempt"] > self.attempt:
+            self.attempt = event["attempt"]
+            self._current = {}
+        kind = event["type"]
+        if kind == "tokens":
+            return self._tokens(event)
+        out: list[dict[str, Any]] = []
+        if kind == "done" and self._diverged_outputs(event["outputs"]):
+            out.append(self._restart("the final output differs from the tokens already streamed"))
+        if kind in TERMINAL_EVENT_TYPES:
+            self.finished = True
+            self.terminal = event
+        out.append(event)
+        return out
+
+    def _tokens(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        index, pos = event["index"], event["pos"]
+        cur_ids, cur_text = self._current.get(index, ([], ""))
+        done_ids, done_text = self._delivered.get(index, ([], ""))
+        if pos < len(cur_ids):
+            return []  # a retried write of this attempt
+        if pos > len(cur_ids):  # a gap (Redis lost writes): trust what was delivered before it
+            if pos > len(done_ids):
+                cur_ids, cur_text = list(done_ids) + [-1] * (pos - len(done_ids)), done_text
+            else:
+                cur_ids, cur_text = list(done_ids[:pos]), done_text
+        cur_ids = cur_ids + list(event["token_ids"])
+        cur_text = cur_text + event["text"]
+        self._current[index] = (cur_ids, cur_text)
+        common = min(len(cur_ids), len(done_ids))
+        if cur_ids[:common] != done_ids[:common]:
+            out = [self._restart(f"attempt {self.attempt} diverged from the streamed tokens")]
+            for i, (ids, text) in sorted(self._current.items()):
+                out.append(self._chunk(event, i, 0, ids, text))
+                self._delivered[i] = (ids, text)
+            return out
+        if len(cur_ids) <= len(done_ids):
+            return []
+        new_text = cur_text[len(done_text):] if cur_text.startswith(done_text) else event["text"]
+        chunk = self._chunk(event, index, len(done_ids), cur_ids[len(done_ids):], new_text)
+        if "logprobs" in event:
+            chunk["logprobs"] = event["logprobs"][len(event["logprobs"]) - len(chunk["token_ids"]):]
+        self._delivered[index] = (cur_ids, cur_text)
+        return [chunk]
+
+    def _diverged_outputs(self, outputs: list[dict[str, Any]]) -> bool:
+        for out in outputs:
+            done_ids = self._delivered.get(out["index"], ([], ""))[0]
+            common = min(len(done_ids), len(out["token_ids"]))
+            if out["token_ids"][:common] != done_ids[:common]:
+                return True
+        return False
+
+    def _restart(self, reason: str) -> dict[str, Any]:
+        self._delivered = {}
+        return {"type": "restart", "attempt": self.attempt, "reason": reason}
+
+    def _chunk(self, event: dict[str, Any], index: int, pos: int, ids: list[int],
+               text: str) -> dict[str, Any]:
+        return {"type": "tokens", "attempt": event["attempt"], "index": index, "pos": pos,
+                "token_ids": list(ids), "text": text}

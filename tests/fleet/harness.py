@@ -1,0 +1,139 @@
+"""Fleet harness: a real redis-server (which tests may kill and restart) and real worker
+processes (so kill -9 means what it says)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import redis
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A redis-server in its own directory with appendonly + fsync always, so kill -9 loses no
+    acknowledged write."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, protocol=2, socket_timeout=10)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+             "--logfile", str(self.dir / "redis.log")], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            try:
+                if redis.Redis(port=self.port, socket_timeout=1).ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self, down_s: float = 0.0) -> None:
+        self.kill()
+        time.sleep(down_s)
+        self.start()
+
+
+class WorkerProcess:
+    def __init__(self, proc: subprocess.Popen[bytes], name: str, log: Path) -> None:
+        self.proc = proc
+        self.name = name
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            return -9
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class WorkerFactory:
+    """Starts `genq worker` processes (through the console-script dispatcher)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.workers: list[WorkerProcess] = []
+
+    def start(self, redis_url: str, model_dir: Path, name: str, *extra: str,
+              served_name: str = "tiny") -> WorkerProcess:
+        log = self.tmp / f"worker-{name}-{len(self.workers)}.log"
+        args = [sys.executable, "-m", "producer.cli", "worker", "--redis", redis_url,
+                "--model", str(model_dir), "--served-model-name", served_name, "--device", "cpu",
+                "--name", name, "--num-threads", "1", "--heartbeat-ttl", "2",
+                "--reclaim-interval", "0.5", "--result-ttl", "30", *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": str(REPO)}
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        worker = WorkerProcess(proc, name, log)
+        self.workers.append(worker)
+        return worker
+
+    def stop_all(self) -> None:
+        for worker in self.workers:
+            if worker.alive():
+                worker.kill9()
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05,
+             what: str = "condition") -> T:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -1,0 +1,231 @@
+"""The wire protocol: key names, strict decoding, events, caps, and what a client sees."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from producer.protocol import (
+    SAMPLING_PARAM_NAMES,
+    JobSpec,
+    Keys,
+    Limits,
+    ProtocolError,
+    check_limits,
+    decode_event,
+    decode_job_entry,
+    done_event,
+    encode_event,
+    encode_job_entry,
+    error_event,
+    started_event,
+    tokens_event,
+)
+from producer.replies import ReplyDeduper
+from tests.fleet.harness import REPO
+
+GOOD = JobSpec(id="job-1", model="tiny", prompt="hello", params={"temperature": 0,
+                                                                  "max_tokens": 4},
+               seed=None, created=1.5, deadline=None, stream=True)
+
+
+def entry(job: dict[str, object], **extra: bytes) -> dict[bytes, bytes]:
+    fields = {b"v": b"1", b"job": msgpack.packb(job)}
+    fields.update({k.encode(): v for k, v in extra.items()})
+    return fields
+
+
+def test_keys_live_under_the_prefix() -> None:
+    keys = Keys("app")
+    assert keys.jobs("tiny") == "app:jobs:tiny"
+    assert keys.dead("tiny") == "app:dead:tiny"
+    assert keys.reply("a.b:c-d_1") == "app:reply:a.b:c-d_1"
+    assert keys.cancel("x") == "app:cancel:x"
+    assert keys.worker("w1") == "app:worker:w1"
+    assert keys.idem("x") == "app:idem:x"
+    assert keys.cancel_channel == "app:cancel"
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "../x", "x\n", "é", "a*", "a" * 129, "{x}"])
+def test_reply_keys_only_from_valid_ids(bad: str) -> None:
+    with pytest.raises(ProtocolError) as exc:
+        Keys().reply(bad)
+    assert exc.value.code == "bad_id"
+
+
+def test_job_entry_round_trips() -> None:
+    spec, base = decode_job_entry(encode_job_entry(GOOD, attempt_base=3))
+    assert spec == GOOD
+    assert base == 3
+
+
+def test_token_id_prompt_round_trips() -> None:
+    spec = dataclasses.replace(GOOD, prompt=None, prompt_token_ids=[5, 6, 7])
+    assert decode_job_entry(encode_job_entry(spec))[0] == spec
+
+
+def test_producer_param_names_equal_the_engine_dataclass_fields() -> None:
+    from engine.sampling_params import SamplingParams
+
+    assert SAMPLING_PARAM_NAMES == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+JOB = GOOD.to_wire()
+
+
+@pytest.mark.parametrize("fields, code, job_id", [
+    ({b"v": b"1"}, "missing_field", None),
+    ({b"v": b"2", b"job": msgpack.packb(JOB)}, "bad_version", None),
+    (entry(JOB, extra=b"1"), "unknown_field", None),
+    (entry(JOB, a=b"-1"), "wrong_type", None),
+    ({b"v": b"1", b"job": b"\xc1\xc1"}, "malformed", None),
+    ({b"v": b"1", b"job": msgpack.packb([1, 2])}, "wrong_type", None),
+    (entry({**JOB, "id": "bad id"}), "bad_id", None),
+    (entry({**JOB, "id": 7}), "bad_id", None),
+    (entry({**JOB, "colour": "red"}), "unknown_field", "job-1"),
+    (entry({k: v for k, v in JOB.items() if k != "params"}), "missing_field", "job-1"),
+    (entry({**JOB, "prompt_token_ids": [1]}), "missing_field", "job-1"),
+    (entry({**JOB, "prompt": ""}), "bad_prompt", "job-1"),
+    (entry({**JOB, "stream": "yes"}), "wrong_type", "job-1"),
+    (entry({**JOB, "seed": -1}), "wrong_type", "job-1"),
+    (entry({**JOB, "model": "a/b"}), "unknown_model", "job-1"),
+    (entry({**JOB, "params": {"temprature": 0}}), "unknown_field", "job-1"),
+    (entry({**JOB, "params": {"max_tokens": "4"}}), "wrong_type", "job-1"),
+    (entry({**JOB, "params": {"max_tokens": 0}}), "invalid_params", "job-1"),
+    (entry({**JOB, "params": {"n": True}}), "wrong_type", "job-1"),
+])
+def test_bad_entries_are_protocol_errors_with_a_code(fields: dict[bytes, bytes], code: str,
+                                                      job_id: str | None) -> None:
+    with pytest.raises(ProtocolError) as exc:
+        decode_job_entry(fields)
+    assert (exc.value.code, exc.value.job_id) == (code, job_id)
+
+
+def test_oversized_payload_is_rejected_before_decoding() -> None:
+    big = entry({**JOB, "prompt": "x" * 2000})
+    with pytest.raises(ProtocolError) as exc:
+        decode_job_entry(big, max_job_bytes=1000)
+    assert exc.value.code == "too_large"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from([b"v", b"job", b"a", b"x"]), st.binary(max_size=64)))
+def test_random_bytes_never_crash_decoding(fields: dict[bytes, bytes]) -> None:
+    try:
+        decode_job_entry(fields)
+    except ProtocolError:
+        pass
+
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+                  st.text(max_size=8), st.binary(max_size=8))
+_values = st.recursive(_leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                      st.dictionaries(st.text(max_size=8), inner,
+                                                                      max_size=4)), max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(list(JOB) + ["prompt_token_ids", "zzz"]), _values))
+def test_random_job_maps_never_crash_decoding(job: dict[str, object]) -> None:
+    try:
+        spec, _ = decode_job_entry(entry(job))
+    except ProtocolError:
+        return
+    assert spec.id == job["id"]
+
+
+def test_caps_are_limit_errors() -> None:
+    limits = Limits(max_prompt_bytes=10, max_tokens=8, max_n=2, max_prompt_tokens=3)
+    cases = [
+        dataclasses.replace(GOOD, prompt="x" * 11),
+        dataclasses.replace(GOOD, prompt=None, prompt_token_ids=[1, 2, 3, 4]),
+        dataclasses.replace(GOOD, params={"max_tokens": 9}),
+        dataclasses.replace(GOOD, params={"max_tokens": None}),
+        dataclasses.replace(GOOD, params={"n": 3}),
+        dataclasses.replace(GOOD, params={"stop": ["s"] * 17}),
+    ]
+    for spec in cases:
+        with pytest.raises(ProtocolError) as exc:
+            check_limits(spec, limits)
+        assert (exc.value.code, exc.value.job_id) == ("limit_exceeded", "job-1")
+    check_limits(dataclasses.replace(GOOD, params={"max_tokens": 8, "n": 2}), limits)
+
+
+def test_events_round_trip() -> None:
+    events = [started_event(1, "w1"), tokens_event(1, 0, 3, [4, 5], "ab", [[[4, -0.5]]]),
+              done_event(1, [{"index": 0, "token_ids": [4], "text": "a", "finish_reason": "stop",
+                              "cumulative_logprob": -1.0}], {"prompt_tokens": 2}, {"total_s": 1.0}),
+              error_event(2, "cancelled", "cancelled by the client")]
+    assert [decode_event(encode_event(e)) for e in events] == events
+
+
+@pytest.mark.parametrize("event, code", [
+    ({"type": "bogus", "attempt": 1}, "wrong_type"),
+    ({"type": "started", "attempt": 1}, "missing_field"),
+    ({"type": "started", "attempt": 1, "worker": "w", "x": 1}, "unknown_field"),
+    ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0, "token_ids": ["a"], "text": ""},
+     "wrong_type"),
+])
+def test_bad_events_are_protocol_errors(event: dict[str, object], code: str) -> None:
+    with pytest.raises(ProtocolError) as exc:
+        decode_event(msgpack.packb(event))
+    assert exc.value.code == code
+
+
+def feed_all(events: list[dict[str, object]]) -> list[dict[str, object]]:
+    dedupe = ReplyDeduper()
+    return [out for e in events for out in dedupe.feed(e)]
+
+
+def tok(attempt: int, pos: int, ids: list[int], text: str, index: int = 0) -> dict[str, object]:
+    return tokens_event(attempt, index, pos, ids, text)
+
+
+def test_replay_delivers_each_position_once() -> None:
+    seen = feed_all([started_event(1, "a"), tok(1, 0, [1], "a"), tok(1, 1, [2], "b"),
+                     started_event(2, "b"), tok(2, 0, [1], "a"), tok(2, 1, [2], "b"),
+                     tok(2, 2, [3], "c"), tok(1, 2, [9], "z"),
+                     done_event(2, [], {}, {})])
+    tokens = [(e["pos"], e["token_ids"], e["text"]) for e in seen if e["type"] == "tokens"]
+    assert tokens == [(0, [1], "a"), (1, [2], "b"), (2, [3], "c")]
+    assert [e["type"] for e in seen] == ["started", "tokens", "tokens", "started", "tokens",
+                                         "done"]
+
+
+def test_replay_chunk_overlapping_delivered_yields_only_the_suffix() -> None:
+    seen = feed_all([tok(1, 0, [1, 2], "ab"), tok(2, 0, [1], "a"), tok(2, 1, [2, 3], "bc")])
+    assert [(e["pos"], e["token_ids"], e["text"]) for e in seen] == [(0, [1, 2], "ab"),
+                                                                     (2, [3], "c")]
+
+
+def test_retried_write_within_an_attempt_is_dropped() -> None:
+    seen = feed_all([tok(1, 0, [1], "a"), tok(1, 0, [1], "a"), tok(1, 1, [2], "b")])
+    assert [e["pos"] for e in seen] == [0, 1]
+
+
+def test_divergent_replay_yields_restart_then_the_new_tokens() -> None:
+    seen = feed_all([tok(1, 0, [1], "a"), tok(1, 1, [2], "b"), tok(2, 0, [1], "a"),
+                     tok(2, 1, [7], "q")])
+    assert [e["type"] for e in seen] == ["tokens", "tokens", "restart", "tokens"]
+    assert (seen[-1]["pos"], seen[-1]["token_ids"], seen[-1]["text"]) == (0, [1, 7], "aq")
+
+
+def test_first_terminal_ends_the_stream() -> None:
+    seen = feed_all([error_event(1, "cancelled", "x"), tok(1, 0, [1], "a"),
+                     error_event(1, "other", "y")])
+    assert [e["type"] for e in seen] == ["error"]
+
+
+def test_producer_never_imports_torch_or_engine() -> None:
+    code = ("import sys, producer, producer.cli, producer.client, producer.async_client; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'engine', 'cupy', 'transformers', 'worker')); print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
