@@ -245,10 +245,10 @@ def encode_job_entry(spec: JobSpec, attempt_base: int = 0) -> dict[str, bytes]:
     return fields
 
 
-def decode_job_entry(fields: Mapping[bytes | str, bytes | str],
+def decode_job_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes],
                      max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> tuple[JobSpec, int]:
     """Strictly decode one job-stream entry -> (spec, attempt_base). Raises ProtocolError."""
-    raw = {_text(k): v for k, v in fields.items()}
+    raw: dict[str, bytes | str] = {_text(k): v for k, v in fields.items()}
     unknown = sorted(set(raw) - {"v", "job", "a"})
     if unknown:
         raise ProtocolError("unknown_field", f"unknown entry field(s): {', '.join(unknown)}")

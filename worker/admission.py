@@ -1,0 +1,114 @@
+"""Admission: how many entries to read, and turning one entry into an engine request or a reason.
+
+Capacity: a worker never holds more pending entries than it has sequence slots
+(max_num_seqs - entries held, counting those whose terminal write is still in flight), and reads
+nothing while the engine has requests waiting for KV blocks or has no free block left.
+
+Bad input never stops the worker: every failure here becomes a Rejection, answered with an error
+event on the job's reply stream when the id is valid, and dead-lettered when it is not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from producer.protocol import JobSpec, Keys, ProtocolError, check_limits, decode_job_entry
+from worker.config import WorkerConfig
+from worker.jobs import ActiveJob
+
+
+@dataclass
+class Rejection:
+    entry_id: str
+    deliveries: int
+    attempt: int
+    reply_key: str | None  # None: no valid id, so no reply stream: dead-letter only
+    code: str
+    message: str
+    dead: bool  # also dead-letter it (no reply key, or over max_attempts)
+    raw_job: bytes | None
+
+
+@dataclass
+class Admitted:
+    job: ActiveJob
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+def free_capacity(max_num_seqs: int, num_held: int, stats: dict[str, Any]) -> int:
+    if stats.get("num_waiting", 0) > 0 or stats.get("num_free_blocks", 1) <= 0:
+        return 0
+    return max(0, min(max_num_seqs - num_held, int(stats.get("num_free_blocks", max_num_seqs))))
+
+
+class Admission:
+    def __init__(self, cfg: WorkerConfig, keys: Keys, tokenizer: Any, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.keys = keys
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = min(cfg.limits.max_prompt_tokens or max_model_len, max_model_len)
+
+    def admit(self, entry_id: str, fields: dict[bytes, bytes], deliveries: int,
+              now: float | None = None) -> Admitted | Rejection:
+        now = time.time() if now is None else now
+        raw_job = fields.get(b"job")
+        try:
+            spec, attempt_base = decode_job_entry(fields, self.cfg.limits.max_job_bytes)
+        except ProtocolError as exc:
+            reply = self.keys.reply(exc.job_id) if exc.job_id else None
+            return Rejection(entry_id, deliveries, deliveries, reply, exc.code, exc.message,
+                             dead=reply is None or deliveries > self.cfg.max_attempts,
+                             raw_job=raw_job)
+        attempt = attempt_base + deliveries
+
+        def reject(code: str, message: str, dead: bool = False) -> Rejection:
+            return Rejection(entry_id, deliveries, attempt, self.keys.reply(spec.id), code,
+                             message, dead, raw_job)
+
+        if deliveries > self.cfg.max_attempts:
+            return reject("max_attempts", f"the job was delivered {deliveries} times (limit "
+                          f"{self.cfg.max_attempts}); it may crash workers", dead=True)
+        if spec.model != self.cfg.served_model_name:
+            return reject("unknown_model", f"model {spec.model!r} is not served here (this "
+                          f"stream's worker serves {self.cfg.served_model_name!r})")
+        if spec.deadline is not None and spec.deadline <= now:
+            late = now - spec.deadline
+            return reject("deadline_exceeded", f"the job's deadline passed {late:.3f} s before "
+                          "a worker could start it")
+        try:
+            check_limits(spec, self.cfg.limits)
+            prompt = self._prompt(spec)
+        except ProtocolError as exc:
+            return reject(exc.code, exc.message)
+        try:
+            params = SamplingParams.from_dict(self._params(spec))
+        except (ValueError, TypeError) as exc:
+            return reject("invalid_params", str(exc))
+        job = ActiveJob(entry_id=entry_id, deliveries=deliveries, attempt=attempt, spec=spec,
+                        fields=dict(fields), reply_key=self.keys.reply(spec.id),
+                        stream_tokens=spec.stream and not params.use_beam_search
+                        and params.best_of == params.n)
+        return Admitted(job, prompt, params)
+
+    def _params(self, spec: JobSpec) -> dict[str, Any]:
+        params = dict(spec.params)
+        if params.get("seed") is None and spec.seed is not None:
+            params["seed"] = spec.seed
+        return params
+
+    def _prompt(self, spec: JobSpec) -> str | list[int]:
+        if spec.prompt_token_ids is not None:
+            num_tokens = len(spec.prompt_token_ids)
+            prompt: str | list[int] = list(spec.prompt_token_ids)
+        else:
+            assert spec.prompt is not None
+            num_tokens = len(self.tokenizer.encode(spec.prompt))
+            prompt = spec.prompt
+        if num_tokens > self.max_prompt_tokens:
+            raise ProtocolError("limit_exceeded", f"prompt has {num_tokens} tokens, over the "
+                                f"cap of {self.max_prompt_tokens}", spec.id)
+        return prompt

@@ -1,0 +1,57 @@
+"""The heartbeat thread: keeps <prefix>:worker:<name> alive while this process lives.
+
+It runs in its own thread so a long engine step never starves it; if the process dies or is
+paused, the key expires after heartbeat_ttl and other workers may reclaim this worker's jobs.
+It also refreshes the TTL of the job stream it serves, so that stream lives while workers do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from producer.protocol import encode_heartbeat
+
+log = logging.getLogger("genq.worker")
+
+
+class Heartbeat(threading.Thread):
+    def __init__(self, conn: redis.Redis, key: str, ttl: float, interval: float,
+                 info: Callable[[], dict[str, Any]], jobs_key: str, stream_ttl: int) -> None:
+        super().__init__(name="genq-heartbeat", daemon=True)
+        self.conn = conn
+        self.key = key
+        self.ttl_ms = int(ttl * 1000)
+        self.interval = interval
+        self.info = info
+        self.jobs_key = jobs_key
+        self.stream_ttl = stream_ttl
+        self._stop = threading.Event()
+
+    def beat(self) -> None:
+        value = encode_heartbeat({**self.info(), "ts": time.time()})
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.set(self.key, value, px=self.ttl_ms)
+        pipe.expire(self.jobs_key, self.stream_ttl)
+        pipe.execute()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def stop(self, delete: bool = True) -> None:
+        self._stop.set()
+        self.join()
+        if delete:
+            try:
+                self.conn.delete(self.key)
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass

@@ -1,0 +1,167 @@
+"""The writer thread: each engine step's events go to Redis in ONE pipelined round trip while the
+loop runs the next step.
+
+Batches queued while a round trip is in flight are merged into the next one. A write that fails
+on a lost connection is retried (backoff) until it succeeds, so nothing is lost: the fenced
+scripts make a retried write either a duplicate the client drops by (index, pos) or a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from worker.scripts import Scripts
+
+log = logging.getLogger("genq.worker")
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
+
+
+@dataclass
+class EventWrite:
+    """Events of one attempt, written only while this worker still owns the entry."""
+
+    entry_id: str
+    deliveries: int
+    reply_key: str
+    events: list[bytes]
+
+
+@dataclass
+class FinishWrite:
+    """The end of one attempt: terminal event / dead letter / hand-back, then XACK + XDEL."""
+
+    entry_id: str
+    deliveries: int
+    reply_key: str | None
+    event: bytes | None
+    dead_fields: list[object] = field(default_factory=list)
+    readd_fields: list[object] = field(default_factory=list)
+
+
+@dataclass
+class Batch:
+    events: list[EventWrite] = field(default_factory=list)
+    finishes: list[FinishWrite] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.finishes)
+
+
+class Writer(threading.Thread):
+    def __init__(self, conn: redis.Redis, jobs_key: str, dead_key: str, group: str, me: str,
+                 reply_ttl: int, dead_ttl: int, max_events_per_call: int = 1024) -> None:
+        super().__init__(name="genq-writer", daemon=True)
+        self.conn = conn
+        self.scripts = Scripts(conn)
+        self.jobs_key = jobs_key
+        self.dead_key = dead_key
+        self.group = group
+        self.me = me
+        self.reply_ttl = reply_ttl
+        self.dead_ttl = dead_ttl
+        self.max_events_per_call = max_events_per_call
+        self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries no longer ours
+        self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
+        self.num_events_written = 0
+        self._queue: queue.Queue[Batch | None] = queue.Queue()
+        self._stopping = False
+
+    def submit(self, batch: Batch) -> None:
+        if batch:
+            self._queue.put(batch)
+
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    def flush(self) -> None:
+        """Wait until everything submitted so far is written."""
+        self._queue.join()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self.join()
+
+    def run(self) -> None:
+        while True:
+            first = self._queue.get()
+            batches = [first]
+            while True:  # merge whatever queued up behind the round trip in flight
+                try:
+                    batches.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            merged = Batch()
+            for batch in batches:
+                if batch is not None:
+                    merged.events += batch.events
+                    merged.finishes += batch.finishes
+            if merged:
+                self._write_until_done(merged)
+            for _ in batches:
+                self._queue.task_done()
+            if any(b is None for b in batches):
+                return
+
+    def _write_until_done(self, batch: Batch) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                self._write(batch)
+                return
+            except _RETRYABLE as exc:
+                log.warning("redis write failed (%s); retrying in %.2f s", exc, backoff)
+            except redis.ResponseError as exc:  # e.g. NOGROUP after Redis lost its data
+                log.error("redis refused a write (%s); dropping it", exc)
+                for fin in batch.finishes:
+                    self.finished.put(fin.entry_id)
+                return
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _write(self, batch: Batch) -> None:
+        pipe = self.conn.pipeline(transaction=False)
+        calls: list[str] = []
+        for chunk in _chunks(batch.events, self.max_events_per_call):
+            keys = [self.jobs_key] + [w.reply_key for w in chunk]
+            args: list[Any] = [self.group, self.me, self.reply_ttl]
+            for w in chunk:
+                args += [w.entry_id, w.deliveries, len(w.events), *w.events]
+            self.scripts.write_events(keys=keys, args=args, client=pipe)
+            calls.append("events")
+        for fin in batch.finishes:
+            keys = [self.jobs_key, fin.reply_key or self.jobs_key, self.dead_key]
+            fargs: list[Any] = [self.group, self.me, fin.entry_id, fin.deliveries, self.reply_ttl,
+                    fin.event or b"", self.dead_ttl, len(fin.dead_fields), *fin.dead_fields,
+                    len(fin.readd_fields), *fin.readd_fields]
+            self.scripts.finish(keys=keys, args=fargs, client=pipe)
+            calls.append("finish")
+        results = pipe.execute()
+        for kind, result in zip(calls, results, strict=True):
+            if kind == "events":
+                for entry_id in result:
+                    self.lost.put(entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
+        self.num_events_written += sum(len(w.events) for w in batch.events)
+        for fin in batch.finishes:
+            self.finished.put(fin.entry_id)
+
+
+def _chunks(items: list[EventWrite], max_events: int) -> list[list[EventWrite]]:
+    chunks: list[list[EventWrite]] = []
+    current: list[EventWrite] = []
+    count = 0
+    for item in items:
+        if current and count + len(item.events) > max_events:
+            chunks.append(current)
+            current, count = [], 0
+        current.append(item)
+        count += len(item.events)
+    if current:
+        chunks.append(current)
+    return chunks

@@ -1,0 +1,342 @@
+"""The worker loop: Redis <-> engine for one served model.
+
+One iteration: take the writer's feedback (finished writes, entries reclaimed from us) -> apply
+cancels and deadlines -> read at most `free capacity` new entries (and, every reclaim_interval,
+claim dead workers' entries) -> engine.step() -> hand the step's events to the writer thread,
+which writes them in one pipelined round trip while the next step runs.
+
+Ownership: an entry is "held" from the read/claim until its finish write (terminal event + XACK,
+fenced in Lua) is done; held entries never exceed max_num_seqs. Losing Redis never loses engine
+state: reads are retried with backoff while the engine keeps stepping, and the writer retries
+its writes until they land.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import redis
+
+from engine.outputs import RequestOutput
+from producer.protocol import Keys, encode_event, error_event, started_event
+from worker.admission import Admission, Admitted, Rejection, free_capacity
+from worker.cancel import CancelListener
+from worker.config import WorkerConfig
+from worker.heartbeat import Heartbeat
+from worker.io_thread import Batch, EventWrite, FinishWrite, Writer
+from worker.jobs import ActiveJob, terminal_event, token_events
+from worker.scripts import Scripts, flatten_fields
+
+log = logging.getLogger("genq.worker")
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
+
+
+class Worker:
+    def __init__(self, engine: Any, cfg: WorkerConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.keys = Keys(cfg.prefix)
+        self.me = cfg.name
+        self.jobs_key = self.keys.jobs(cfg.served_model_name)
+        self.conn = redis.Redis.from_url(cfg.redis_url, protocol=2, socket_timeout=10,
+                                         socket_connect_timeout=5)
+        self.read_conn = redis.Redis.from_url(cfg.redis_url, protocol=2,
+                                              socket_timeout=cfg.block_ms / 1000 + 10,
+                                              socket_connect_timeout=5)
+        self.scripts = Scripts(self.conn)
+        self.admission = Admission(cfg, self.keys, engine.tokenizer, engine.max_model_len)
+        self.max_num_seqs = int(engine.config.max_num_seqs)
+        self.writer = Writer(self.conn, self.jobs_key, self.keys.dead(cfg.served_model_name),
+                             self.keys.group, self.me, cfg.result_ttl, cfg.dead_ttl)
+        self.heartbeat = Heartbeat(self.conn, self.keys.worker(self.me), cfg.heartbeat_ttl,
+                                   cfg.heartbeat_interval, self._heartbeat_info, self.jobs_key,
+                                   cfg.stream_ttl)
+        self.cancels = CancelListener(cfg.redis_url, self.keys.cancel_channel)
+        self.jobs: dict[str, ActiveJob] = {}  # entry id -> the attempt running in the engine
+        self.by_job_id: dict[str, str] = {}  # job id -> entry id
+        self.num_finishing = 0  # finish writes handed to the writer, not yet done
+        self.stop_requested = threading.Event()
+        self.counters = {"admitted": 0, "completed": 0, "rejected": 0, "reclaimed": 0,
+                         "lost": 0, "cancelled": 0, "handed_back": 0}
+        self._stats: dict[str, Any] = {}
+        self._next_reclaim = 0.0
+        self._next_cancel_sweep = 0.0
+        self._next_read = 0.0
+        self._read_backoff = 0.05
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def request_stop(self) -> None:
+        self.stop_requested.set()
+
+    def run(self) -> int:
+        self._ensure_group(wait=True)
+        self._stats = self.engine.stats()
+        self.heartbeat.beat()
+        for thread in (self.heartbeat, self.cancels, self.writer):
+            thread.start()
+        log.info("worker %s serving %s on %s", self.me, self.cfg.served_model_name,
+                 self.cfg.device)
+        self._claim(include_self=True)  # a restart under the same name re-reads its own entries
+        self._next_reclaim = time.monotonic() + self.cfg.reclaim_interval
+        while not self.stop_requested.is_set():
+            self._iteration(reading=True)
+        self._drain()
+        return 0
+
+    def _drain(self) -> None:
+        """Stop reading, finish in-flight work within drain_timeout, hand back the rest."""
+        log.info("draining %d job(s) (up to %.1f s)", len(self.jobs), self.cfg.drain_timeout)
+        end = time.monotonic() + self.cfg.drain_timeout
+        while self.jobs and time.monotonic() < end:
+            self._iteration(reading=False)
+        batch = Batch()
+        for job in list(self.jobs.values()):
+            self.engine.abort(job.entry_id)
+            readd = {b"v": job.fields[b"v"], b"job": job.fields[b"job"],
+                     b"a": str(job.attempt).encode()}
+            self._finish(job, None, batch, readd_fields=flatten_fields(readd))
+            self.counters["handed_back"] += 1
+        self.writer.submit(batch)
+        self.writer.flush()
+        self.writer.stop()
+        self.cancels.stop()
+        self.heartbeat.stop(delete=True)
+        log.info("worker %s stopped: %s", self.me, self.counters)
+
+    # ------------------------------------------------------------------ one iteration
+
+    def _iteration(self, reading: bool) -> None:
+        self._take_writer_feedback()
+        self._apply_cancels()
+        self._expire_deadlines()
+        if reading:
+            self._read_new()
+        if self.engine.has_unfinished():
+            outputs = self.engine.step()
+            self._emit(outputs)
+        elif not reading or self._capacity() == 0:
+            time.sleep(0.002)  # nothing to step; wait for the writer to finish what is held
+        self._stats = self.engine.stats()
+        while self.writer.backlog() > 8:  # the writer is behind (e.g. Redis is down): wait
+            time.sleep(0.002)
+            self._take_writer_feedback()
+
+    def _capacity(self) -> int:
+        return free_capacity(self.max_num_seqs, len(self.jobs) + self.num_finishing, self._stats)
+
+    def _read_new(self) -> None:
+        now = time.monotonic()
+        if now < self._next_read:
+            return
+        capacity = self._capacity()
+        if capacity > 0 and now >= self._next_reclaim:
+            self._next_reclaim = now + self.cfg.reclaim_interval
+            capacity -= self._claim(include_self=False, count=capacity)
+        if capacity <= 0:
+            return
+        idle = not self.engine.has_unfinished() and self.num_finishing == 0
+        try:
+            resp = self.read_conn.xreadgroup(self.keys.group, self.me, {self.jobs_key: ">"},
+                                             count=capacity,
+                                             block=self.cfg.block_ms if idle else None)
+            self._read_backoff = 0.05
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._ensure_group(wait=False)
+            return
+        except _RETRYABLE as exc:
+            log.warning("reading jobs failed (%s); retrying in %.2f s", exc, self._read_backoff)
+            self._next_read = now + self._read_backoff
+            self._read_backoff = min(self._read_backoff * 2, 2.0)
+            if idle:
+                time.sleep(self._read_backoff)
+            return
+        entries: Any = resp or []
+        batch = [(_text(eid), fields, 1) for _key, items in entries for eid, fields in items]
+        self._admit(batch)
+
+    def _claim(self, include_self: bool, count: int | None = None) -> int:
+        count = self.max_num_seqs if count is None else count
+        try:
+            claimed = self.scripts.reclaim(
+                keys=[self.jobs_key],
+                args=[self.keys.group, self.me, self.keys.worker_prefix, count,
+                      "1" if include_self else "0"])
+        except _RETRYABLE as exc:
+            log.warning("reclaim failed: %s", exc)
+            return 0
+        batch = [(_text(eid), _pairs(flat), int(deliveries)) for eid, flat, deliveries in claimed]
+        if batch:
+            log.info("claimed %d pending job(s)%s", len(batch), " of mine" if include_self else "")
+            self.counters["reclaimed"] += len(batch)
+        self._admit(batch)
+        return len(batch)
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, entries: list[tuple[str, dict[bytes, bytes], int]]) -> None:
+        if not entries:
+            return
+        decided = [self.admission.admit(eid, fields, n) for eid, fields, n in entries]
+        cancelled = self._cancelled_ids([d.job.job_id for d in decided
+                                         if isinstance(d, Admitted)])
+        batch = Batch()
+        for d in decided:
+            if isinstance(d, Admitted) and d.job.job_id in cancelled:
+                d = self._rejection(d.job, "cancelled", "cancelled by the client")
+            if isinstance(d, Admitted):
+                try:
+                    self.engine.add_request(d.job.entry_id, d.prompt, d.params)
+                except ValueError as exc:
+                    d = self._rejection(d.job, "bad_prompt", str(exc))
+            if isinstance(d, Rejection):
+                self._reject(d, batch)
+                continue
+            self.jobs[d.job.entry_id] = d.job
+            self.by_job_id[d.job.job_id] = d.job.entry_id
+            self.counters["admitted"] += 1
+            batch.events.append(EventWrite(d.job.entry_id, d.job.deliveries, d.job.reply_key,
+                                           [encode_event(started_event(d.job.attempt, self.me))]))
+        self.writer.submit(batch)
+
+    def _rejection(self, job: ActiveJob, code: str, message: str) -> Rejection:
+        return Rejection(job.entry_id, job.deliveries, job.attempt, job.reply_key, code, message,
+                         dead=False, raw_job=job.fields.get(b"job"))
+
+    def _reject(self, r: Rejection, batch: Batch) -> None:
+        log.info("rejected entry %s (%s): %s", r.entry_id, r.code, r.message)
+        self.counters["rejected"] += 1
+        dead: list[object] = []
+        if r.dead:
+            dead = ["reason", r.message, "code", r.code, "entry", r.entry_id, "worker", self.me]
+            if r.raw_job is not None:
+                dead += ["job", r.raw_job]
+        event = encode_event(error_event(r.attempt, r.code, r.message)) if r.reply_key else None
+        self.num_finishing += 1
+        batch.finishes.append(FinishWrite(r.entry_id, r.deliveries, r.reply_key, event,
+                                          dead_fields=dead))
+
+    # ------------------------------------------------------------------ outputs and endings
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        batch = Batch()
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                continue
+            events = token_events(job, out)
+            if events:
+                batch.events.append(EventWrite(job.entry_id, job.deliveries, job.reply_key,
+                                               events))
+            if out.finished:
+                self.counters["completed"] += 1
+                self._finish(job, terminal_event(job, out), batch)
+        self.writer.submit(batch)
+
+    def _finish(self, job: ActiveJob, event: bytes | None, batch: Batch,
+                readd_fields: list[object] | None = None) -> None:
+        self.jobs.pop(job.entry_id, None)
+        if self.by_job_id.get(job.job_id) == job.entry_id:
+            del self.by_job_id[job.job_id]
+        self.num_finishing += 1
+        batch.finishes.append(FinishWrite(job.entry_id, job.deliveries, job.reply_key, event,
+                                          readd_fields=readd_fields or []))
+
+    def _end_early(self, job: ActiveJob, code: str, message: str) -> None:
+        self.engine.abort(job.entry_id)
+        batch = Batch()
+        self._finish(job, encode_event(error_event(job.attempt, code, message)), batch)
+        self.writer.submit(batch)
+
+    def _take_writer_feedback(self) -> None:
+        while not self.writer.finished.empty():
+            self.writer.finished.get()
+            self.num_finishing -= 1
+        while not self.writer.lost.empty():
+            entry_id = self.writer.lost.get()
+            job = self.jobs.pop(entry_id, None)
+            if job is not None:  # reclaimed by another worker while we were away: stop it
+                log.warning("job %s (entry %s) is no longer ours; aborting it", job.job_id,
+                            entry_id)
+                self.engine.abort(entry_id)
+                if self.by_job_id.get(job.job_id) == entry_id:
+                    del self.by_job_id[job.job_id]
+                self.counters["lost"] += 1
+
+    def _apply_cancels(self) -> None:
+        ids: set[str] = set()
+        while not self.cancels.cancelled.empty():
+            ids.add(self.cancels.cancelled.get())
+        now = time.monotonic()
+        if self.jobs and now >= self._next_cancel_sweep:
+            self._next_cancel_sweep = now + self.cfg.cancel_poll_interval
+            ids |= self._cancelled_ids(list(self.by_job_id))
+        for job_id in ids:
+            entry_id = self.by_job_id.get(job_id)
+            if entry_id is not None and entry_id in self.jobs:
+                self.counters["cancelled"] += 1
+                self._end_early(self.jobs[entry_id], "cancelled", "cancelled by the client")
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for job in [j for j in self.jobs.values()
+                    if j.spec.deadline is not None and j.spec.deadline <= now]:
+            self._end_early(job, "deadline_exceeded", "the job's deadline passed while it ran")
+
+    def _cancelled_ids(self, job_ids: list[str]) -> set[str]:
+        if not job_ids:
+            return set()
+        try:
+            pipe = self.conn.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.exists(self.keys.cancel(job_id))
+            flags = pipe.execute()
+        except _RETRYABLE:
+            return set()
+        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
+
+    # ------------------------------------------------------------------ Redis plumbing
+
+    def _ensure_group(self, wait: bool) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                self.conn.xgroup_create(self.jobs_key, self.keys.group, id="0", mkstream=True)
+                self.conn.expire(self.jobs_key, self.cfg.stream_ttl)
+                return
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" in str(exc):
+                    return
+                raise
+            except _RETRYABLE as exc:
+                if not wait:
+                    return
+                log.warning("waiting for Redis: %s", exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _heartbeat_info(self) -> dict[str, Any]:
+        stats = self._stats
+        return {"model": self.cfg.served_model_name, "device": self.cfg.device,
+                "pid": os.getpid(), "capacity": self.max_num_seqs,
+                "held": len(self.jobs) + self.num_finishing,
+                "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
+                "swapped": stats.get("num_swapped", 0),
+                "num_free_blocks": stats.get("num_free_blocks", 0),
+                "num_total_blocks": stats.get("num_total_blocks", 0),
+                "num_preemptions": stats.get("num_preemptions", 0),
+                "events_written": self.writer.num_events_written, **self.counters}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}

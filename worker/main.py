@@ -1,0 +1,103 @@
+"""`genq worker`: serve one model on one device from a Redis job stream."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+from pathlib import Path
+from types import FrameType
+
+from producer.protocol import DEFAULT_PREFIX, Limits
+from worker.config import WorkerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="genq worker", description=__doc__)
+    p.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX))
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--served-model-name", default=None,
+                   help="name jobs route by (default: the model directory's basename)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<i>")
+    p.add_argument("--name", default=None,
+                   help="consumer name and heartbeat key; stable across restarts "
+                        "(default: the host name)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", default="float32")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
+    e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap space")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--num-threads", type=int, default=None, help="torch threads on the CPU")
+    r = p.add_argument_group("reliability")
+    r.add_argument("--heartbeat-ttl", type=float, default=10.0)
+    r.add_argument("--reclaim-interval", type=float, default=5.0)
+    r.add_argument("--max-attempts", type=int, default=3)
+    r.add_argument("--result-ttl", type=int, default=3600, help="reply stream TTL (s)")
+    r.add_argument("--drain-timeout", type=float, default=30.0)
+    c = p.add_argument_group("payload caps")
+    c.add_argument("--max-job-bytes", type=int, default=Limits.max_job_bytes)
+    c.add_argument("--max-prompt-bytes", type=int, default=Limits.max_prompt_bytes)
+    c.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="default: the model's max length")
+    c.add_argument("--max-tokens-cap", type=int, default=Limits.max_tokens)
+    c.add_argument("--max-n", type=int, default=Limits.max_n)
+    c.add_argument("--max-stop", type=int, default=Limits.max_stop)
+    return p
+
+
+def default_name() -> str:
+    return re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:128] or "worker"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {args.name or default_name()} %(levelname)s "
+                               "%(message)s")
+    served = args.served_model_name or Path(args.model.rstrip("/")).name
+    limits = Limits(max_job_bytes=args.max_job_bytes, max_prompt_bytes=args.max_prompt_bytes,
+                    max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_cap,
+                    max_n=args.max_n, max_stop=args.max_stop)
+    try:
+        cfg = WorkerConfig(redis_url=args.redis, served_model_name=served,
+                           name=args.name or default_name(), prefix=args.prefix,
+                           device=args.device, heartbeat_ttl=args.heartbeat_ttl,
+                           reclaim_interval=args.reclaim_interval, max_attempts=args.max_attempts,
+                           result_ttl=args.result_ttl, drain_timeout=args.drain_timeout,
+                           limits=limits)
+    except ValueError as exc:
+        print(f"genq worker: {exc}", file=sys.stderr)
+        return 2
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from worker.loop import Worker
+
+    engine = Engine(EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space, seed=args.seed,
+        num_threads=args.num_threads))
+    worker = Worker(engine, cfg)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        worker.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return worker.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The worker's Lua scripts: every write about a job is fenced by ownership of its pending entry.
+
+The fencing token of an attempt is (consumer name, delivery count) of the job's pending entry in
+the consumer group. XACK alone does not check the owner, so a worker that was paused, had its job
+reclaimed and woke up again could otherwise write into (or ack) another worker's attempt. Each
+script checks the token and does its writes in one atomic step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+# True when ARGV-style (id, deliveries) still names a pending entry owned by `me`.
+_OWNS = """
+local function owns(stream, group, id, me, deliveries)
+  local p = redis.call('XPENDING', stream, group, id, id, 1)
+  return #p == 1 and p[1][2] == me and tonumber(p[1][4]) == tonumber(deliveries)
+end
+"""
+
+# Token (and started) events of many jobs in one call.
+# KEYS: jobs stream, reply key of job 1..k.
+# ARGV: group, me, reply ttl, then per job: entry id, deliveries, num events, events...
+# Returns the entry ids this worker no longer owns (their events were not written).
+WRITE_EVENTS_LUA = _OWNS + """
+local group, me, ttl = ARGV[1], ARGV[2], ARGV[3]
+local lost = {}
+local a = 4
+for k = 2, #KEYS do
+  local id, deliveries, n = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
+  if owns(KEYS[1], group, id, me, deliveries) then
+    for i = 1, n do
+      redis.call('XADD', KEYS[k], '*', 'e', ARGV[a + 2 + i])
+    end
+    redis.call('EXPIRE', KEYS[k], ttl)
+  else
+    table.insert(lost, id)
+  end
+  a = a + 3 + n
+end
+return lost
+"""
+
+# The end of one attempt: optional terminal event, optional dead letter, optional re-add (a
+# draining worker handing the job back), then XACK + XDEL; all or nothing, and only if owned.
+# KEYS: jobs stream, reply key (or any placeholder), dead-letter stream.
+# ARGV: group, me, entry id, deliveries, reply ttl, event ('' = none), dead ttl,
+#       num dead field args, dead field args..., num re-add field args, re-add field args...
+# Returns 1 when written, 0 when the entry is no longer this worker's.
+FINISH_LUA = _OWNS + """
+local group, me, id = ARGV[1], ARGV[2], ARGV[3]
+if not owns(KEYS[1], group, id, me, ARGV[4]) then return 0 end
+if ARGV[6] ~= '' then
+  redis.call('XADD', KEYS[2], '*', 'e', ARGV[6])
+  redis.call('EXPIRE', KEYS[2], ARGV[5])
+end
+local a = 8
+local n = tonumber(ARGV[a])
+if n > 0 then
+  redis.call('XADD', KEYS[3], '*', unpack(ARGV, a + 1, a + n))
+  redis.call('EXPIRE', KEYS[3], ARGV[7])
+end
+a = a + n + 1
+n = tonumber(ARGV[a])
+if n > 0 then
+  redis.call('XADD', KEYS[1], '*', unpack(ARGV, a + 1, a + n))
+end
+redis.call('XACK', KEYS[1], group, id)
+redis.call('XDEL', KEYS[1], id)
+return 1
+"""
+
+# Heartbeat-gated reclaim: claim up to `count` pending entries of consumers whose heartbeat key
+# is gone (and, when include_self is 1, this worker's own entries: a restart under the same name
+# re-reads them). A live worker is never robbed, however long its generation. Consumers that are
+# gone and own nothing are deleted from the group.
+# KEYS: jobs stream. ARGV: group, me, heartbeat key prefix, count, include_self.
+# Returns {entry id, fields, deliveries} per claimed entry.
+RECLAIM_LUA = """
+local group, me, hb_prefix = ARGV[1], ARGV[2], ARGV[3]
+local budget = tonumber(ARGV[4])
+local claimed = {}
+if budget <= 0 then return claimed end
+local consumers = redis.call('XINFO', 'CONSUMERS', KEYS[1], group)
+for _, c in ipairs(consumers) do
+  local name, pending = nil, 0
+  for i = 1, #c, 2 do
+    if c[i] == 'name' then name = c[i + 1] elseif c[i] == 'pending' then pending = c[i + 1] end
+  end
+  local mine = name == me
+  local gone = (mine and ARGV[5] == '1') or
+               (not mine and redis.call('EXISTS', hb_prefix .. name) == 0)
+  if gone and pending > 0 then
+    local entries = redis.call('XPENDING', KEYS[1], group, '-', '+', budget, name)
+    for _, e in ipairs(entries) do
+      local got = redis.call('XCLAIM', KEYS[1], group, me, 0, e[1])
+      if got[1] then
+        table.insert(claimed, {got[1][1], got[1][2], e[4] + 1})
+        budget = budget - 1
+      end
+      if budget == 0 then return claimed end
+    end
+  elseif gone and pending == 0 and not mine then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group, name)
+  end
+end
+return claimed
+"""
+
+
+class Scripts:
+    """The scripts registered on one client (redis-py re-loads them after a NOSCRIPT)."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.write_events = conn.register_script(WRITE_EVENTS_LUA)
+        self.finish = conn.register_script(FINISH_LUA)
+        self.reclaim = conn.register_script(RECLAIM_LUA)
+
+
+def flatten_fields(fields: dict[str, bytes] | dict[bytes, bytes]) -> list[Any]:
+    out: list[Any] = []
+    for key, value in fields.items():
+        out += [key, value]
+    return out
