@@ -1,0 +1,49 @@
+"""Incremental detokenization and stop strings.
+
+A delta is released only once its bytes form whole characters: decoding a window of recent
+tokens and comparing with the window minus the new tokens avoids both quadratic re-decoding and
+broken UTF-8 (a character split across tokens decodes to U+FFFD until its last byte arrives).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+_CONTEXT = 5  # tokens of left context so leading-space rules decode as in the full text
+
+
+def init_offsets(seq: Sequence) -> None:
+    seq.read_offset = seq.num_prompt_tokens
+    seq.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT, 0)
+
+
+def decode_delta(tokenizer: Any, seq: Sequence, skip_special_tokens: bool) -> str:
+    """Advance `seq`'s detokenizer over its newest tokens; returns the new text (maybe '')."""
+    ids = seq.token_ids
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset],
+                              skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
+    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        seq.prefix_offset = seq.read_offset
+        seq.read_offset = len(ids)
+        return full[len(prefix):]
+    return ""
+
+
+def find_stop(seq: Sequence, delta: str, params: SamplingParams) -> str | None:
+    """If a stop string completed within the last delta, trim the text and return it."""
+    if not params.stop or not delta:
+        return None
+    longest = max(len(s) for s in params.stop)
+    window_start = max(len(seq.output_text) - len(delta) - longest + 1, 0)
+    found = [(at, stop) for stop in params.stop
+             if (at := seq.output_text.find(stop, window_start)) != -1]
+    if not found:
+        return None
+    at, stop = min(found)
+    end = at + len(stop) if params.include_stop_str_in_output else at
+    seq.output_text = seq.output_text[:end]
+    return stop

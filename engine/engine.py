@@ -1,0 +1,300 @@
+"""Engine: add requests, step, get outputs. One step reads
+
+    schedule -> swap/copy blocks -> run the model -> sample -> postprocess
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from typing import Any
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import decode_delta, find_stop, init_offsets
+from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
+from engine.model_runner import ModelRunner
+from engine.models.loader import DTYPES, load_config, load_model, load_tokenizer, max_positions
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampler import Sampler, SampleRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        hf_config = load_config(config.model)
+        limit = max_positions(hf_config)
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            limit = min(limit, int(window))  # full attention is exact only inside the window
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit "
+                             f"of {limit} positions")
+        self.max_model_len = config.max_model_len or limit
+        self.tokenizer = load_tokenizer(config.model)
+        self.model = load_model(config.model, hf_config, config.dtype, self.device, limit)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
+        backend = _make_backend(config, self.device)
+        block_bytes = bytes_per_block(self.model.num_layers, config.block_size,  # type: ignore
+                                      self.model.num_kv_heads, self.model.head_dim,  # type: ignore
+                                      DTYPES[config.dtype])
+        num_blocks = num_device_blocks(config, block_bytes, self.device)
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache; lower the model size or raise "
+                             "gpu_memory_utilization / kv_cache_memory")
+        num_host = config.swap_space_bytes // block_bytes
+        self.block_manager = BlockManager(num_blocks, num_host, config.block_size,
+                                          config.watermark)
+        self.kv_cache = KVCache(self.model.num_layers, num_blocks, num_host,  # type: ignore
+                                config.block_size, self.model.num_kv_heads,  # type: ignore
+                                self.model.head_dim, DTYPES[config.dtype],  # type: ignore
+                                self.device, backend)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.model, backend, self.block_manager, self.device)
+        self.sampler = Sampler(self.vocab_size)
+        self._groups: dict[str, SequenceGroup] = {}
+        self._rejected: list[SequenceGroup] = []
+        self._seq_ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self.counters = {"num_steps": 0, "num_generated_tokens": 0}
+
+    # -- public API ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        if params.use_beam_search:
+            raise ValueError("beam search is not supported yet; use best_of with n instead")
+        token_ids = self._tokenize(prompt)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(next(self._seq_ids), 0, token_ids, len(token_ids))
+        init_offsets(seq)
+        group = SequenceGroup(request_id, params, [seq], seed)
+        self._groups[request_id] = group
+        if len(token_ids) >= self.max_model_len:
+            self._reject(group, f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                                f"{self.max_model_len}: it leaves no room to generate; shorten it")
+            return
+        self.scheduler.add(group)
+
+    def abort(self, request_id: str) -> bool:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        self.scheduler.abort(request_id)
+        self._rejected = [g for g in self._rejected if g is not group]
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def num_unfinished(self) -> int:
+        return len(self._groups)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._move_blocks(sched)
+        batch = self.runner.order(sched.scheduled)
+        outputs: dict[str, RequestOutput] = {}
+        if batch:
+            logits = self.runner.execute(batch, self.kv_cache.device_cache)
+            self._postprocess(batch, logits)
+            self.counters["num_steps"] += 1
+        for group in {id(item.group): item.group for item in batch}.values():
+            outputs[group.request_id] = self._output(group)
+        for group in sched.finished + self._rejected:
+            self._finish_group(group)
+            outputs[group.request_id] = self._output(group)
+        self._rejected = []
+        return list(outputs.values())
+
+    def stats(self) -> dict[str, Any]:
+        bm, sc = self.block_manager, self.scheduler
+        total = bm.num_total_blocks
+        return {
+            "num_total_blocks": total, "num_free_blocks": bm.num_free_blocks,
+            "num_host_blocks": bm.host.num_blocks, "num_free_host_blocks": bm.host.num_free,
+            "kv_usage": (total - bm.num_free_blocks) / total,
+            "num_running": len(sc.running), "num_waiting": len(sc.waiting),
+            "num_swapped": len(sc.swapped),
+            "num_preemptions": sc.counters["num_recompute_preemptions"]
+            + sc.counters["num_swap_outs"],
+            **sc.counters, **self.counters,
+        }
+
+    # -- the step's parts ------------------------------------------------------------------------
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        assert not (sched.blocks_to_swap_in and sched.blocks_to_swap_out)
+        self.kv_cache.swap_out(sched.blocks_to_swap_out)
+        self.kv_cache.swap_in(sched.blocks_to_swap_in)
+        self.kv_cache.copy(sched.blocks_to_copy)
+
+    def _postprocess(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> None:
+        rows: list[SampleRow] = []
+        owners: list[tuple[SequenceGroup, Sequence, int]] = []  # (group, parent seq, fork index)
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            if not item.do_sample:
+                continue
+            group, seq = item.group, item.seq
+            fan_out = range(group.width) if not group.forked else [seq.index]
+            for index in fan_out:
+                rows.append(SampleRow(group.params, group.seed, index, seq.num_output_tokens,
+                                      group.prompt_token_ids, seq.output_token_ids))
+                owners.append((group, seq, index))
+        if not rows:
+            return
+        keep = [i for i, item in enumerate(batch) if item.do_sample]
+        logits = logits[torch.tensor(_expand(keep, batch), device=logits.device)] \
+            if len(rows) != len(keep) else logits
+        result = self.sampler(logits, rows)
+        now = time.monotonic()
+        targets = []
+        for group, seq, index in owners:
+            if index != seq.index:  # the first sample of a best_of group forks its sequence
+                child = seq.fork(next(self._seq_ids), index)
+                self.block_manager.fork(seq, child)
+                group.seqs.append(child)
+                seq = child
+            targets.append(seq)
+        for (group, _, _), seq, token, lp, top in zip(owners, targets, result.token_ids,
+                                                      result.logprobs, result.top_logprobs):
+            self._append(group, seq, token, lp, top)
+            if group.first_token_time is None:
+                group.first_token_time = now
+        for group in {id(o[0]): o[0] for o in owners}.values():
+            group.seqs.sort(key=lambda s: s.index)
+            if group.is_finished():
+                self.scheduler.running.remove(group)
+                self._finish_group(group)
+
+    def _append(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
+                top: dict[int, float] | None) -> None:
+        params = group.params
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if top is not None:
+            seq.output_logprobs.append(top)
+        self.counters["num_generated_tokens"] += 1
+        can_stop = seq.num_output_tokens > params.min_tokens
+        if can_stop and token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif can_stop and not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        else:
+            delta = decode_delta(self.tokenizer, seq, params.skip_special_tokens)
+            seq.output_text += delta
+            stop = find_stop(seq, delta, params) if can_stop else None
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+                seq.finish_reason = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finished:
+            self.block_manager.free(seq)
+
+    def _finish_group(self, group: SequenceGroup) -> None:
+        group.status = SequenceStatus.FINISHED
+        group.finished_time = time.monotonic()
+        self._groups.pop(group.request_id, None)
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.params
+        finished = group.status is SequenceStatus.FINISHED
+        seqs = group.seqs
+        if params.best_of != params.n:
+            if not finished:
+                seqs = []  # best_of > n picks its n outputs only at the end
+            else:
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: params.n]
+        outputs = [CompletionOutput(i if params.best_of != params.n else s.index,
+                                    s.output_token_ids, s.output_text, s.finish_reason,
+                                    s.cumulative_logprob,
+                                    list(s.output_logprobs) if params.logprobs is not None
+                                    else None, s.stop_reason)
+                   for i, s in enumerate(seqs)]
+        metrics = {"arrival_time": group.arrival_time,
+                   "num_preemptions": float(group.num_preemptions)}
+        if group.first_token_time is not None:
+            metrics["time_to_first_token"] = group.first_token_time - group.arrival_time
+        if group.finished_time is not None:
+            metrics["latency"] = group.finished_time - group.arrival_time
+        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, finished,
+                             group.error, metrics)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = list(self.tokenizer(prompt).input_ids)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise ValueError("prompt must be a string or a list of token ids (ints)")
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return token_ids
+
+    def _reject(self, group: SequenceGroup, message: str) -> None:
+        for seq in group.seqs:
+            seq.finish_reason = "error"
+        group.error = message
+        self._rejected.append(group)
+
+
+def _expand(keep: list[int], batch: list[ScheduledSeq]) -> list[int]:
+    """Row index into the logits for every sample row (a fan-out row repeats its parent)."""
+    rows = []
+    for r, i in enumerate(keep):
+        group = batch[i].group
+        rows.extend([r] * (group.width if not group.forked else 1))
+    return rows
+
+
+def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, list) else {int(ids)}
+
+
+def _make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    name = config.attention_backend
+    if name is None:
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                import engine.attention.cupy_backend  # noqa: F401
+
+                name = "cupy"
+            except ImportError:
+                logger.warning("cupy is not importable: using the torch attention backend")
+    if name == "cupy":
+        from engine.attention.cupy_backend import CupyAttentionBackend  # type: ignore
+
+        return CupyAttentionBackend()
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()

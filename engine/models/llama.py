@@ -1,0 +1,128 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2): GQA, RoPE (incl. llama3 scaling), RMSNorm,
+SwiGLU, optional qkv bias, tied or untied embeddings.
+
+Parameter names follow Hugging Face's, except that q/k/v and gate/up are stored fused
+(qkv_proj, gate_up_proj): fewer, larger matmuls per layer. `load_weights` does the fusing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import (
+    ForwardContext,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    attention_scale,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.scale = attention_scale(self.head_dim)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = ctx.kv_cache[self.layer_idx]
+        ctx.backend.write_kv(k, v, key_cache, value_cache, ctx.meta.slot_mapping)
+        out = ctx.backend.forward(q, key_cache, value_cache, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: Any, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_layers = config.num_hidden_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions)
+        for layer in self.model.layers:
+            x = layer(x, rope, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        for name, param in self.named_parameters():
+            if name == "lm_head.weight" and (self.tie_word_embeddings
+                                             or "lm_head.weight" not in tensors):
+                name = "model.embed_tokens.weight"
+            parts = next(((k, v) for k, v in fused.items() if f".{k}." in name), None)
+            if parts is None:
+                source = _take(tensors, name)
+            else:
+                source = torch.cat([_take(tensors, name.replace(parts[0], p)) for p in parts[1]])
+            with torch.no_grad():
+                param.copy_(source)
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ValueError(f"the checkpoint has no tensor {name!r}; is this a Llama-family model?")
+    return tensors[name]

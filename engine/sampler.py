@@ -1,0 +1,163 @@
+"""Sampler: logits processors and the choice of the next token, for a whole batch at once.
+
+Randomness is a pure function of (request seed, sequence index, output position, token id): a
+counter-based hash gives every (row, token) a uniform number, and sampling is the Gumbel-max race
+argmax(logits / T + Gumbel). So a seeded request draws the same tokens in any batch, after any
+preemption, on any worker.
+
+Order of processing (vLLM's): repetition/presence/frequency penalties, temperature, top-k,
+top-p, min-p, then the draw. Logprobs are of the penalised logits before temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    seed: int
+    seq_index: int
+    position: int  # index of the output token being drawn
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]  # of the chosen tokens
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._vocab_hash: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        logits = logits[:, : self.vocab_size].float()
+        if any(_has_penalty(r.params) for r in rows):
+            logits = _apply_penalties(logits, rows)
+        need_logprobs = [r.params.logprobs is not None or r.params.best_of != r.params.n
+                         or r.params.use_beam_search for r in rows]
+        logprobs = torch.log_softmax(logits, dim=-1) if any(need_logprobs) else None
+        chosen = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            chosen[idx] = self._draw(logits[idx], [rows[i] for i in random_rows])
+        token_ids = chosen.tolist()
+        chosen_lp = [0.0] * len(rows)
+        tops: list[dict[int, float] | None] = [None] * len(rows)
+        if logprobs is not None:
+            picked = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+            for i, row in enumerate(rows):
+                chosen_lp[i] = picked[i]
+                if row.params.logprobs is not None:
+                    tops[i] = _top(logprobs[i], row.params.logprobs, token_ids[i], picked[i])
+        return SampleResult(token_ids, chosen_lp, tops)
+
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        logits = logits / temps[:, None]
+        logits = _filter(logits, rows)
+        return (logits + self._gumbel(rows, logits.device)).argmax(dim=-1)
+
+    def _gumbel(self, rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+        if self._vocab_hash is None or self._vocab_hash.device != device:
+            ids = torch.arange(self.vocab_size, dtype=torch.int64, device=device)
+            self._vocab_hash = _fmix32((ids * 0x9E3779B1 + 0x7F4A7C15) & _M32)
+        keys = torch.tensor([_row_key(r.seed, r.seq_index, r.position) for r in rows],
+                            dtype=torch.int64, device=device)
+        h = _fmix32(self._vocab_hash[None, :] ^ keys[:, None])
+        u = (h.double() + 0.5) / 4294967296.0
+        return (-torch.log(-torch.log(u))).float()
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    if width:
+        padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists],
+                              dtype=torch.int64, device=device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    vocab, dev = logits.shape[1], logits.device
+    out_counts = _counts([r.output_token_ids for r in rows], vocab, dev)
+    prompt_seen = _counts([r.prompt_token_ids for r in rows], vocab, dev) > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
+    seen = prompt_seen | (out_counts > 0)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+    return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+
+def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    dev = logits.device
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[1], device=dev)[None, :]
+        k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=dev)[:, None]
+        drop = ranks >= k
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+        drop |= before >= torch.tensor(top_p, device=dev)[:, None]
+        drop[:, 0] = False  # the most likely token always survives
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    min_p = [r.params.min_p for r in rows]
+    if any(p > 0.0 for p in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=dev)[:, None]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def _top(logprobs: torch.Tensor, k: int, chosen: int, chosen_lp: float) -> dict[int, float]:
+    result = {chosen: chosen_lp}
+    if k:
+        values, ids = logprobs.topk(k)
+        result.update(zip(ids.tolist(), values.tolist()))
+    return result
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser on 32-bit values held in int64 (products wrap; we keep 32 bits)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _row_key(seed: int, seq_index: int, position: int) -> int:
+    """splitmix64 over the row's coordinates, folded to 32 bits."""
+    x = seed & 0xFFFFFFFFFFFFFFFF
+    for part in (seq_index, position):
+        x = _splitmix64((x ^ (part * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF)
+    return (x ^ (x >> 32)) & _M32
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)

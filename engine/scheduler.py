@@ -1,0 +1,277 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute or swap.
+
+The algorithm, once per step, under one token budget (max_num_batched_tokens) and one sequence
+budget (max_num_seqs):
+
+1. Running groups, oldest first. Each gets its decode tokens (one per live sequence: the budget
+   counts every sequence) or its next prefill chunk. When the cache cannot hold the new tokens,
+   the newest running group is preempted (swap for multi-sequence groups and recompute for
+   single ones under "auto"; a group whose swap does not fit in host space is recomputed) until
+   it fits, or the group itself is preempted. A group that needs more blocks than the whole
+   cache finishes with "length".
+2. Swapped groups, oldest first, only when step 1 preempted nothing (swap-in and swap-out never
+   share a step).
+3. Waiting groups, oldest first, only when nothing is swapped out (strict priority running >
+   swapped > waiting) and nothing was preempted. Admission is all-or-nothing on the blocks of the
+   whole prompt; the prompt is then prefilled in chunks. A group that can never fit finishes with
+   "error".
+
+Preempted groups go back into their queue in arrival order, so FCFS holds across preemptions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import AllocStatus, BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    group: SequenceGroup
+    seq: Sequence
+    num_new_tokens: int
+    do_sample: bool  # this step reaches the end of the sequence, so it draws the next token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # host -> device
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> host
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # device -> device
+    finished: list[SequenceGroup] = field(default_factory=list)  # ended by the scheduler
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    seqs: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+        self._rng = random.Random(config.artificial_preemption_seed)
+        self._preempted_last_step = False
+        self.counters = {"num_recompute_preemptions": 0, "num_swap_outs": 0, "num_swap_ins": 0,
+                         "num_artificial_preemptions": 0, "num_infeasible": 0}
+
+    # -- queues ----------------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        _insert_by_arrival(self.waiting, group)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    self.block_manager.free_group(group)
+                    return group
+        return None
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    # -- the step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_running(out, budget)
+        if out.num_preempted == 0:
+            self._schedule_swapped(out, budget)
+        if out.num_preempted == 0 and not self.swapped:
+            self._schedule_waiting(out, budget)
+        if out.num_preempted and not self._preempted_last_step:
+            logger.warning("preempted %d request(s): the KV cache (%d blocks) is full; "
+                           "raise num_gpu_blocks_override/kv_cache_memory or lower max_num_seqs",
+                           out.num_preempted, self.block_manager.num_total_blocks)
+        self._preempted_last_step = out.num_preempted > 0
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
+        queue, kept = self.running, deque[SequenceGroup]()
+        while queue:
+            group = queue.popleft()
+            plan = self._plan(group, budget)
+            if not plan:
+                kept.append(group)  # no budget left this step; it stays running
+                continue
+            if not self._make_room(group, plan, queue, out):
+                continue  # preempted or finished
+            self._commit(group, plan, out, budget)
+            kept.append(group)
+        self.running = kept
+
+    def _make_room(self, group: SequenceGroup, plan: list[ScheduledSeq],
+                   queue: deque[SequenceGroup], out: SchedulerOutput) -> bool:
+        """Free blocks for `plan` by preempting the newest running groups; False if `group`
+        itself had to go."""
+        bm = self.block_manager
+        forced = self._artificial_preemption()
+        while True:
+            needed = sum(bm.blocks_to_append(s.seq, s.num_new_tokens) for s in plan)
+            if needed <= bm.num_free_blocks and not forced:
+                return True
+            forced = False
+            if not queue and bm.num_group_blocks(group) + needed > bm.num_total_blocks:
+                self._finish(group, "length", None, out)
+                self.counters["num_infeasible"] += 1
+                return False
+            victim = queue.pop() if queue else group
+            self._preempt(victim, out)
+            if victim is group:
+                return False
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+        bm = self.block_manager
+        while self.swapped:
+            group = self.swapped[0]
+            status = bm.can_swap_in(group)
+            if status is AllocStatus.NEVER:
+                self.swapped.popleft()
+                self._finish(group, "length", None, out)
+                self.counters["num_infeasible"] += 1
+                continue
+            plan = self._plan(group, budget)
+            if status is AllocStatus.LATER or not plan:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(bm.swap_in(group))
+            self.counters["num_swap_ins"] += 1
+            group.status = SequenceStatus.RUNNING
+            self._commit(group, plan, out, budget)
+            self.running.append(group)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        bm = self.block_manager
+        while self.waiting:
+            group = self.waiting[0]
+            if self._never_fits_budget(group):
+                self.waiting.popleft()
+                self._finish(group, "length" if group.seqs[0].num_output_tokens else "error",
+                             f"the request has {group.seqs[0].num_tokens} tokens but "
+                             f"max_num_batched_tokens is {self.config.max_num_batched_tokens} and "
+                             "chunked prefill is off; enable it or raise the budget", out)
+                continue
+            status = bm.can_allocate(group)
+            if status is AllocStatus.NEVER:
+                self.waiting.popleft()
+                blocks = bm.blocks_to_allocate(group)
+                self._finish(group, "error", f"the request needs {blocks} KV blocks of "
+                             f"{bm.block_size} tokens but the cache holds only "
+                             f"{bm.num_total_blocks - bm.watermark_blocks}; shorten the prompt "
+                             "or give the engine more KV cache", out)
+                continue
+            if status is AllocStatus.LATER:
+                break
+            plan = self._plan(group, budget)
+            if not plan:
+                break
+            self.waiting.popleft()
+            bm.allocate(group)
+            group.status = SequenceStatus.RUNNING
+            self._commit(group, plan, out, budget)
+            self.running.append(group)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _plan(self, group: SequenceGroup, budget: _Budget) -> list[ScheduledSeq]:
+        """This step's tokens for each live sequence, or [] when the budgets cannot take them.
+        Decoding sequences move together (every sequence's token counts against the budget);
+        prefills take what the token budget leaves when chunking is on."""
+        seqs = group.live_seqs()
+        num_seqs = max(len(seqs), 1 if group.forked else group.width)
+        if num_seqs > budget.seqs:
+            return []
+        left = budget.tokens
+        plan = []
+        for seq in seqs:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            take = min(remaining, left) if self.config.enable_chunked_prefill else remaining
+            if take == 0 or take > left:
+                break  # the rest of the group runs in a later step
+            plan.append(ScheduledSeq(group, seq, take, take == remaining))
+            left -= take
+        return plan
+
+    def _never_fits_budget(self, group: SequenceGroup) -> bool:
+        """Without chunked prefill a sequence longer than the token budget can never run."""
+        return not self.config.enable_chunked_prefill and any(
+            s.num_tokens - s.num_computed_tokens > self.config.max_num_batched_tokens
+            for s in group.live_seqs())
+
+    def _commit(self, group: SequenceGroup, plan: list[ScheduledSeq], out: SchedulerOutput,
+                budget: _Budget) -> None:
+        for item in plan:
+            out.blocks_to_copy.extend(self.block_manager.append_slots(item.seq,
+                                                                      item.num_new_tokens))
+            budget.tokens -= item.num_new_tokens
+            out.num_batched_tokens += item.num_new_tokens
+        budget.seqs -= max(len(plan), 1 if group.forked else group.width)
+        out.scheduled.extend(plan)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        out.num_preempted += 1
+        group.num_preemptions += 1
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            mode = "swap" if len(group.live_seqs()) > 1 else "recompute"
+        if mode == "swap" and bm.can_swap_out(group):
+            out.blocks_to_swap_out.extend(bm.swap_out(group))
+            group.status = SequenceStatus.SWAPPED
+            _insert_by_arrival(self.swapped, group)
+            self.counters["num_swap_outs"] += 1
+            return
+        # Recompute (also the fallback when host swap space is exhausted).
+        bm.free_group(group)
+        for seq in group.live_seqs():
+            seq.reset_for_recompute()
+        group.status = SequenceStatus.WAITING
+        _insert_by_arrival(self.waiting, group)
+        self.counters["num_recompute_preemptions"] += 1
+
+    def _artificial_preemption(self) -> bool:
+        p = self.config.artificial_preemption_prob
+        if p <= 0.0 or self.counters["num_artificial_preemptions"] >= \
+                self.config.artificial_preemption_max:
+            return False
+        if self._rng.random() < p:
+            self.counters["num_artificial_preemptions"] += 1
+            return True
+        return False
+
+    def _finish(self, group: SequenceGroup, reason: str, error: str | None,
+                out: SchedulerOutput) -> None:
+        self.block_manager.free_group(group)
+        for seq in group.live_seqs():
+            seq.finish_reason = reason
+        group.error = error
+        group.status = SequenceStatus.FINISHED
+        out.finished.append(group)
+
+
+def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
+    if not queue or queue[-1].arrival_time <= group.arrival_time:
+        queue.append(group)
+        return
+    keys = [g.arrival_time for g in queue]
+    queue.insert(bisect.bisect_right(keys, group.arrival_time), group)
