@@ -35,7 +35,9 @@ __device__ __forceinline__ float half_bits_to_float(unsigned int h) {
     const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
     return __uint_as_float(__float_as_uint(magnitude) | sign);
   }
-  if (exponent == 31) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 31) {  // inf, or NaN made quiet (as x86 and torch do)
+    return __uint_as_float(sign | 0x7f800000u | (mantissa << 13) | (mantissa ? 0x400000u : 0u));
+  }
   return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 #endif
 }

@@ -1,0 +1,179 @@
+"""The unchanged cuda/paged_attention.cu, run on the CPU through the shim, equals the float64 torch
+reference. Every case's cache holds NaN in every slot outside the sequences' contexts (free blocks
+and the stale tail of each last block), so a single stray read shows up as NaN in the output."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.attention.cupy_backend import CupyAttentionBackend
+from tests.kernels import reference
+from tests.kernels.cases import Case, make_case, max_rel_err
+from tests.kernels.cpu_kernels import CpuKernels
+
+# (dtype, head size, block size) of the shim build: every dtype, head size and block size.
+VARIANTS = [
+    (torch.float32, 64, 8), (torch.float32, 64, 16), (torch.float32, 64, 32),
+    (torch.float32, 80, 16), (torch.float32, 96, 32), (torch.float32, 128, 16),
+    (torch.float32, 256, 8), (torch.float16, 64, 16), (torch.float16, 96, 8),
+    (torch.bfloat16, 80, 8), (torch.bfloat16, 128, 32),
+]
+FP32_REL_ERR = 1e-5
+# One rounding of the output to the storage type (half an ulp), plus the fp32 error above.
+ROUNDING = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+def _ids(v: tuple[torch.dtype, int, int]) -> str:
+    return f"{str(v[0]).removeprefix('torch.')}-h{v[1]}-b{v[2]}"
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any(), "NaN in the output: a stale or free slot was read"
+    if dtype == torch.float32:
+        assert max_rel_err(out, ref) < FP32_REL_ERR
+    else:
+        err = (out.double() - ref).abs()
+        bound = ROUNDING[dtype] * ref.abs() + FP32_REL_ERR * ref.abs().max()
+        assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
+
+
+def run_decode(cpu_kernels: CpuKernels, c: Case) -> torch.Tensor:
+    out = torch.empty_like(c.query)
+    seq_lens = torch.tensor(c.seq_lens, dtype=torch.int32)
+    cpu_kernels.run(kernels.decode(out, c.query, c.key_cache, c.value_cache, c.block_tables,
+                                   seq_lens, max(c.seq_lens), c.scale))
+    return out
+
+
+def run_prefill(cpu_kernels: CpuKernels, c: Case) -> torch.Tensor:
+    out = torch.empty_like(c.query)
+    meta = c.metadata(num_decode_seqs=0)
+    cpu_kernels.run(kernels.prefill(out, c.query, c.key_cache, c.value_cache, c.block_tables,
+                                    meta.seq_lens, meta.query_start_loc, 0, len(c.seq_lens),
+                                    meta.max_query_len, c.scale))
+    return out
+
+
+def reference_of(c: Case) -> torch.Tensor:
+    return reference.paged_attention(c.query, c.key_cache, c.value_cache, c.block_tables,
+                                     c.seq_lens, c.query_lens, c.scale)
+
+
+def test_shim_build_holds_every_tested_variant(cpu_kernels: CpuKernels) -> None:
+    for dtype, head, block in VARIANTS:
+        for name in kernels.name_expressions(dtype, head, block):
+            assert cpu_kernels.has_kernel(name), name
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_decode_equals_reference_with_gqa_ragged_lengths_and_random_tables(
+        cpu_kernels: CpuKernels, variant: tuple[torch.dtype, int, int]) -> None:
+    dtype, head, block = variant
+    # 1 token; a partial last block; exactly full blocks; several blocks plus a partial one.
+    seq_lens = [1, block + 3, 2 * block, 3 * block + block // 2 + 1]
+    c = make_case(seq_lens, [1] * 4, num_heads=2, num_kv_heads=1, head_size=head,
+                  block_size=block, dtype=dtype, seed=head + block)
+    assert_matches(run_decode(cpu_kernels, c), reference_of(c), dtype)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4], ids=["mqa", "gqa", "mha"])
+def test_decode_and_prefill_map_query_heads_to_their_kv_head(cpu_kernels: CpuKernels,
+                                                              num_kv_heads: int) -> None:
+    c = make_case([9, 30], [1, 1], num_heads=4, num_kv_heads=num_kv_heads, head_size=64,
+                  block_size=8, seed=7)
+    assert_matches(run_decode(cpu_kernels, c), reference_of(c), torch.float32)
+    c = make_case([9, 30], [9, 4], num_heads=4, num_kv_heads=num_kv_heads, head_size=64,
+                  block_size=8, seed=8)
+    assert_matches(run_prefill(cpu_kernels, c), reference_of(c), torch.float32)
+
+
+def test_decode_splits_long_contexts_into_partitions_and_reduces_them(
+        cpu_kernels: CpuKernels) -> None:
+    # 2 and 3 partitions of 512 tokens, and a short sequence (one partition) in the same launch;
+    # 1025 puts a single token in the last partition.
+    seq_lens = [600, 1025, 37]
+    c = make_case(seq_lens, [1, 1, 1], num_heads=2, num_kv_heads=1, head_size=64, block_size=16,
+                  seed=11)
+    launches = kernels.decode(torch.empty_like(c.query), c.query, c.key_cache, c.value_cache,
+                              c.block_tables, torch.tensor(seq_lens, dtype=torch.int32),
+                              max(seq_lens), c.scale)
+    assert [launch.grid for launch in launches] == [(2, 3, 3), (2, 3, 1)]
+    assert_matches(run_decode(cpu_kernels, c), reference_of(c), torch.float32)
+
+
+def test_stale_tail_of_the_last_block_never_reaches_the_output(cpu_kernels: CpuKernels) -> None:
+    c = make_case([17], [1], num_heads=2, num_kv_heads=2, head_size=64, block_size=16, seed=3)
+    last_block = int(c.block_tables[0, 1])
+    assert c.key_cache[last_block, 1:].isnan().all() and c.value_cache[last_block, 1:].isnan().all()
+    assert_matches(run_decode(cpu_kernels, c), reference_of(c), torch.float32)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_chunked_prefill_attends_to_cached_context_and_causally_within_the_chunk(
+        cpu_kernels: CpuKernels, variant: tuple[torch.dtype, int, int]) -> None:
+    dtype, head, block = variant
+    # A whole prompt over several query tiles; a chunk after a cached context that ends inside a
+    # block; a one-token chunk; a chunk that starts on a block boundary.
+    seq_lens = [37, 2 * block + 9, block + 5, 2 * block + 3]
+    query_lens = [37, 11, 1, block + 3]
+    c = make_case(seq_lens, query_lens, num_heads=2, num_kv_heads=1, head_size=head,
+                  block_size=block, dtype=dtype, seed=100 + head + block)
+    assert_matches(run_prefill(cpu_kernels, c), reference_of(c), dtype)
+
+
+def test_backend_runs_a_mixed_batch_written_through_write_kv(cpu_kernels: CpuKernels) -> None:
+    """CupyAttentionBackend end to end on the shim: write this step's K/V (padding slot -1), then
+    two decodes and two prefill chunks in one forward."""
+    block, kvh, heads, head = 8, 2, 4, 64
+    seq_lens, query_lens = [13, 30, 20, 9], [1, 1, 6, 9]
+    c = make_case(seq_lens, query_lens, num_heads=heads, num_kv_heads=kvh, head_size=head,
+                  block_size=block, seed=5)
+    g = torch.Generator().manual_seed(6)
+    # This step's new tokens, plus one padding token at the end that must not be cached.
+    num_new = sum(query_lens)
+    new_k = torch.randn(num_new + 1, kvh, head, generator=g)
+    new_v = torch.randn(num_new + 1, kvh, head, generator=g)
+    slots = []
+    for i, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        for pos in range(n - q, n):
+            slots.append(int(c.block_tables[i, pos // block]) * block + pos % block)
+    slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64)
+    expected_k, expected_v = c.key_cache.clone(), c.value_cache.clone()
+    reference.reshape_and_cache(new_k, new_v, expected_k, expected_v, slot_mapping)
+
+    backend = CupyAttentionBackend(run=cpu_kernels.run)
+    backend.write_kv(new_k, new_v, c.key_cache, c.value_cache, slot_mapping)
+    assert torch.equal(c.key_cache.nan_to_num(7.0), expected_k.nan_to_num(7.0))
+    assert torch.equal(c.value_cache.nan_to_num(7.0), expected_v.nan_to_num(7.0))
+
+    # The query arrives as a view of a fused projection: rows are not contiguous.
+    fused = torch.randn(num_new, heads + 2 * kvh, head, generator=g)
+    query = fused[:, :heads]
+    out = backend.forward(query, c.key_cache, c.value_cache, c.metadata(num_decode_seqs=2),
+                          c.scale)
+    ref = reference.paged_attention(query, c.key_cache, c.value_cache, c.block_tables, seq_lens,
+                                    query_lens, c.scale)
+    assert_matches(out, ref, torch.float32)
+
+
+def test_unsupported_head_size_is_a_value_error_naming_the_fix() -> None:
+    cache = torch.zeros(4, 16, 2, 72)
+    with pytest.raises(ValueError, match="attention_backend='torch'"):
+        kernels.decode(torch.zeros(1, 2, 72), torch.zeros(1, 2, 72), cache, cache,
+                       torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1,
+                       72 ** -0.5)
+
+
+def test_partition_count_follows_the_longest_context() -> None:
+    c = make_case([512, 513], [1, 1], num_heads=2, num_kv_heads=1, head_size=64, block_size=16)
+    for max_len, partitions in ((512, 1), (513, 2)):
+        launches = kernels.decode(torch.empty_like(c.query), c.query, c.key_cache, c.value_cache,
+                                  c.block_tables, torch.tensor(c.seq_lens, dtype=torch.int32),
+                                  max_len, c.scale)
+        assert launches[0].grid == (2, 2, partitions)
+        assert len(launches) == (1 if partitions == 1 else 2)
+        assert math.ceil(max_len / kernels.PARTITION_SIZE) == partitions
