@@ -35,8 +35,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.block_size not in (8, 16, 32):
-            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two up to 256 (the CUDA kernels "
+                             f"take 8, 16 or 32), got {self.block_size}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be at least 1, "
                              f"got {self.num_gpu_blocks_override}")

@@ -1,0 +1,147 @@
+"""Scheduler invariants, driven without a model: a fake step appends token 1 to every sequence
+that samples."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceGroup
+
+_ids = iter(range(10**6))
+
+
+def make(num_blocks=64, host_blocks=64, **config) -> Scheduler:
+    cfg = EngineConfig(model="unused", block_size=4, watermark=0.0, **config)
+    return Scheduler(cfg, BlockManager(num_blocks, host_blocks, 4, 0.0))
+
+
+def add(sched: Scheduler, prompt_len: int, t: float, max_tokens: int = 8, n: int = 1):
+    seq = Sequence(next(_ids), 0, [5] * prompt_len, prompt_len)
+    g = SequenceGroup(f"r{t}", SamplingParams(n=n, max_tokens=max_tokens), [seq], 0,
+                      arrival_time=t)
+    sched.add(g)
+    return g
+
+
+def fake_step(sched: Scheduler) -> SchedulerOutput:
+    out = sched.schedule()
+    for item in out.scheduled:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        if item.do_sample:
+            item.seq.token_ids.append(1)
+            if item.seq.num_output_tokens >= item.group.params.max_tokens:
+                item.seq.finish_reason = "length"
+                sched.block_manager.free(item.seq)
+    for g in list(sched.running):
+        if g.is_finished():
+            sched.running.remove(g)
+    return out
+
+
+def drain(sched: Scheduler, limit: int = 1000) -> list[SchedulerOutput]:
+    outs = []
+    while sched.num_unfinished() and len(outs) < limit:
+        outs.append(fake_step(sched))
+    assert sched.num_unfinished() == 0, "the scheduler did not finish its work"
+    return outs
+
+
+def test_token_and_sequence_budgets_hold_every_step():
+    sched = make(max_num_batched_tokens=10, max_num_seqs=3)
+    for t in range(6):
+        add(sched, 7, float(t))
+    for out in drain(sched):
+        assert out.num_batched_tokens <= 10
+        assert len(out.scheduled) <= 3
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_chunked_prefill_splits_a_long_prompt_across_steps():
+    sched = make(max_num_batched_tokens=8)
+    g = add(sched, 20, 0.0)
+    chunks = [fake_step(sched).scheduled[0].num_new_tokens for _ in range(3)]
+    assert chunks == [8, 8, 4]
+    assert g.seqs[0].num_output_tokens == 1
+
+
+def test_admission_is_first_come_first_served():
+    sched = make(max_num_batched_tokens=4, max_num_seqs=8)
+    groups = [add(sched, 4, float(t)) for t in (3.0, 1.0, 2.0)]
+    order = []
+    for out in drain(sched):
+        for item in out.scheduled:
+            if item.group not in order:
+                order.append(item.group)
+    assert [g.arrival_time for g in order] == [1.0, 2.0, 3.0]
+    assert set(map(id, order)) == set(map(id, groups))
+
+
+def test_recompute_preemption_evicts_the_newest_and_requeues_it_at_the_head():
+    sched = make(num_blocks=5, preemption_mode="recompute", max_num_seqs=4)
+    old, new = add(sched, 8, 0.0, max_tokens=12), add(sched, 8, 1.0, max_tokens=12)
+    late = add(sched, 8, 2.0)
+    fake_step(sched)  # both 8-token prompts admitted (4 blocks); `late` waits for room
+    assert list(sched.running) == [old, new] and list(sched.waiting) == [late]
+    preempted_at = None
+    for i in range(20):
+        out = fake_step(sched)
+        if out.num_preempted:
+            preempted_at = i
+            break
+    assert preempted_at is not None
+    assert list(sched.running) == [old]
+    assert list(sched.waiting) == [new, late]  # arrival order, the preempted one first
+    assert new.seqs[0].num_computed_tokens == 0
+    assert sched.counters["num_recompute_preemptions"] == 1
+    drain(sched)
+    assert sched.block_manager.num_free_blocks == 5
+
+
+def test_no_admission_while_a_group_is_swapped_out():
+    sched = make(num_blocks=8, preemption_mode="swap", max_num_seqs=8)
+    a, b = add(sched, 8, 0.0, max_tokens=16), add(sched, 8, 1.0, max_tokens=16)
+    while not sched.swapped:
+        fake_step(sched)
+    assert list(sched.swapped) == [b]
+    c = add(sched, 1, 2.0)  # fits in the free blocks, yet must wait for b
+    while sched.swapped:
+        out = fake_step(sched)
+        assert not (out.blocks_to_swap_in and out.blocks_to_swap_out)
+        if sched.swapped:
+            assert c.seqs[0].num_computed_tokens == 0  # never admitted before b came back
+    assert b in sched.running
+    drain(sched)
+    assert a.seqs[0].num_output_tokens == b.seqs[0].num_output_tokens == 16
+    assert sched.counters["num_swap_outs"] >= 1 and sched.counters["num_swap_ins"] >= 1
+
+
+def test_a_group_that_outgrows_the_whole_cache_finishes_with_length():
+    sched = make(num_blocks=3, host_blocks=0, max_num_seqs=4)
+    g = add(sched, 4, 0.0, max_tokens=100)
+    outs = drain(sched, limit=50)
+    assert g.seqs[0].finish_reason == "length"
+    # 12 tokens fill 3 blocks; the 13th was sampled from them but has no slot to be run in.
+    assert g.seqs[0].num_tokens == 13
+    assert any(g in o.finished for o in outs)
+    assert sched.block_manager.num_free_blocks == 3
+
+
+def test_a_prompt_larger_than_the_cache_ends_with_an_error_and_others_run():
+    sched = make(num_blocks=4)
+    big, small = add(sched, 40, 0.0), add(sched, 3, 1.0, max_tokens=2)
+    outs = drain(sched)
+    assert big.seqs[0].finish_reason == "error" and "KV blocks" in (big.error or "")
+    assert small.seqs[0].num_output_tokens == 2
+    assert big in outs[0].finished
+
+
+def test_artificial_preemption_is_bounded_and_work_completes():
+    sched = make(artificial_preemption_prob=1.0, artificial_preemption_max=7,
+                 preemption_mode="recompute")
+    groups = [add(sched, 5, float(t), max_tokens=4) for t in range(3)]
+    drain(sched)
+    assert sched.counters["num_artificial_preemptions"] == 7
+    assert all(g.seqs[0].num_output_tokens == 4 for g in groups)
