@@ -70,8 +70,22 @@ def compile_options() -> tuple[str, ...]:
     return ("-std=c++17", f"-I{CUDA_DIR}")
 
 
+def supports(dtype: torch.dtype, head_size: int, block_size: int) -> bool:
+    """Whether the CUDA kernels have a variant for this cache (else use the torch backend)."""
+    return dtype in DTYPE_NAMES and head_size in HEAD_SIZES and block_size in BLOCK_SIZES
+
+
+def cupy_available() -> bool:
+    """Whether CuPy imports here (the check for choosing the "cupy" backend on a CUDA device)."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def check_variant(dtype: torch.dtype, head_size: int, block_size: int) -> None:
-    if dtype not in DTYPE_NAMES or head_size not in HEAD_SIZES or block_size not in BLOCK_SIZES:
+    if not supports(dtype, head_size, block_size):
         raise ValueError(
             f"the CUDA kernels support dtypes {sorted(str(d) for d in DTYPE_NAMES)}, head sizes "
             f"{HEAD_SIZES} and block sizes {BLOCK_SIZES}; got {dtype}, head size {head_size}, "
@@ -234,10 +248,12 @@ def _module(dtype: torch.dtype, head_size: int, block_size: int, device_index: i
 def _cupy_arg(cupy: Any, arg: KernelArg) -> Any:
     if not isinstance(arg, torch.Tensor):
         return arg
-    if arg.device.type == "cpu":  # pinned swap space, which the GPU addresses directly (UVA)
+    if arg.device.type == "cpu":
+        # Pinned swap space: cudaHostAlloc memory is mapped at the same address on the device
+        # (unified addressing), so the kernel reads and writes it in place.
         if not arg.is_pinned():
             raise ValueError("host memory handed to a kernel must be pinned (pin_memory=True)")
-        return np.uint64(cupy.cuda.runtime.hostGetDevicePointer(arg.data_ptr(), 0))
+        return np.uint64(arg.data_ptr())
     if arg.numel() == 0:
         return np.uint64(0)
     if arg.element_size() == 2:  # CuPy has no bfloat16: hand the bits over as int16
@@ -246,19 +262,19 @@ def _cupy_arg(cupy: Any, arg: KernelArg) -> Any:
 
 
 def run_launches(launches: list[Launch]) -> None:
-    """Launches each record on torch's current stream of its tensors' device."""
+    """Launches each record on torch's current stream of its tensors' device, in order."""
     cupy = _cupy()
     for launch in launches:
         device = next(a.device for a in launch.args
                       if isinstance(a, torch.Tensor) and a.device.type == "cuda")
-        module = _module(*launch.variant, device.index)
-        kernel = module.get_function(launch.kernel)
+        kernel = _module(*launch.variant, device.index).get_function(launch.kernel)
         stream = torch.cuda.current_stream(device)
-        args = tuple(_cupy_arg(cupy, a) for a in launch.args)
+        # Inside the stream context, DLPack's stream hand-shake sees torch's own stream: no sync.
         with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream,
                                                                      device.index):
+            args = tuple(_cupy_arg(cupy, a) for a in launch.args)
             try:
                 kernel(launch.grid, launch.block, args)
-            except Exception as e:
+            except Exception as e:  # CuPy raises on a failed cuLaunchKernel
                 raise RuntimeError(f"launching {launch.kernel} with grid {launch.grid} and block "
                                    f"{launch.block} failed: {e}") from e
