@@ -141,7 +141,7 @@ def test_a_prompt_larger_than_the_cache_ends_with_an_error_and_others_run():
 def test_artificial_preemption_is_bounded_and_work_completes():
     sched = make(artificial_preemption_prob=1.0, artificial_preemption_max=7,
                  preemption_mode="recompute")
-    groups = [add(sched, 5, float(t), max_tokens=4) for t in range(3)]
+    groups = [add(sched, 5, float(t), max_tokens=10) for t in range(3)]
     drain(sched)
     assert sched.counters["num_artificial_preemptions"] == 7
-    assert all(g.seqs[0].num_output_tokens == 4 for g in groups)
+    assert all(g.seqs[0].num_output_tokens == 10 for g in groups)
