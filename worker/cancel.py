@@ -21,18 +21,18 @@ class CancelListener(threading.Thread):
         self.url = url
         self.channel = channel
         self.cancelled: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         backoff = 0.05
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             conn = redis.Redis.from_url(self.url, protocol=2, socket_timeout=10,
                                         socket_connect_timeout=5)
             try:
                 pubsub = conn.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self.channel)
                 backoff = 0.05
-                while not self._stop.is_set():
+                while not self._halt.is_set():
                     message = pubsub.get_message(timeout=0.5)
                     if message and message["type"] == "message":
                         data = message["data"]
@@ -40,11 +40,11 @@ class CancelListener(threading.Thread):
                                            if isinstance(data, bytes) else str(data))
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("cancel listener lost Redis (%s); reconnecting", exc)
-                self._stop.wait(backoff)
+                self._halt.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
             finally:
                 conn.close()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)

@@ -31,7 +31,7 @@ class Heartbeat(threading.Thread):
         self.info = info
         self.jobs_key = jobs_key
         self.stream_ttl = stream_ttl
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def beat(self) -> None:
         value = encode_heartbeat({**self.info(), "ts": time.time()})
@@ -41,14 +41,14 @@ class Heartbeat(threading.Thread):
         pipe.execute()
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._halt.wait(self.interval):
             try:
                 self.beat()
             except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
                 log.warning("heartbeat failed: %s", exc)
 
     def stop(self, delete: bool = True) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
         if delete:
             try:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.fleet.harness import RedisServer, WorkerFactory
+from tests.fleet.harness import Expected, RedisServer, WorkerFactory
 
 
 @pytest.fixture
@@ -23,3 +24,22 @@ def workers(tmp_path: Path) -> Iterator[WorkerFactory]:
     factory = WorkerFactory(tmp_path)
     yield factory
     factory.stop_all()
+
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_llama: Path) -> Callable[[list[str], dict[str, Any]], list[Expected]]:
+    """The offline oracle: LLM.generate on the same model, one result per prompt as
+    [(token_ids, text, finish_reason) per sequence index]."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=1024, swap_space=0.01,
+              num_threads=1)
+
+    def run(prompts: list[str], params: dict[str, Any]) -> list[Expected]:
+        outs = llm.generate(prompts, SamplingParams.from_dict(params), use_tqdm=False)
+        return [[(list(c.token_ids), c.text, c.finish_reason)
+                 for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+
+    return run
+

@@ -12,11 +12,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
 T = TypeVar("T")
+Expected = list[tuple[list[int], str, str | None]]
 REPO = Path(__file__).resolve().parents[2]
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -113,7 +114,8 @@ class WorkerFactory:
         args = [sys.executable, "-m", "producer.cli", "worker", "--redis", redis_url,
                 "--model", str(model_dir), "--served-model-name", served_name, "--device", "cpu",
                 "--name", name, "--num-threads", "1", "--heartbeat-ttl", "2",
-                "--reclaim-interval", "0.5", "--result-ttl", "30", *extra]
+                "--reclaim-interval", "0.5", "--result-ttl", "30",
+                "--num-gpu-blocks-override", "256", "--swap-space", "0.01", *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                "PYTHONPATH": str(REPO)}
         with open(log, "wb") as out:
@@ -128,6 +130,20 @@ class WorkerFactory:
                 worker.kill9()
 
 
+def wait_heartbeats(server: RedisServer, workers: list[WorkerProcess],
+                    timeout: float = 180.0) -> None:
+    """Until every worker has a heartbeat (model loaded, group joined); fail fast on a crash."""
+    conn = server.client()
+
+    def ready() -> bool:
+        for w in workers:
+            if not w.alive():
+                raise AssertionError(f"worker {w.name} exited:\n{w.output()[-3000:]}")
+        return all(conn.exists(f"genq:worker:{w.name}") for w in workers)
+
+    wait_for(ready, timeout=timeout, interval=0.1, what="worker heartbeats")
+
+
 def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05,
              what: str = "condition") -> T:
     end = time.monotonic() + timeout
@@ -137,3 +153,16 @@ def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float 
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def as_expected(result: dict[str, Any]) -> Expected:
+    """A done event's outputs in the oracle's shape."""
+    return [(o["token_ids"], o["text"], o["finish_reason"]) for o in result["outputs"]]
+
+
+def reply_events(server: RedisServer, job_id: str) -> list[dict[str, Any]]:
+    """Every raw event in a job's reply stream (all attempts)."""
+    from producer.protocol import REPLY_FIELD, Keys, decode_event
+
+    entries = server.client().xrange(Keys().reply(job_id))
+    return [decode_event(fields[REPLY_FIELD.encode()]) for _id, fields in entries]

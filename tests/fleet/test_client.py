@@ -1,0 +1,130 @@
+"""Client and AsyncClient against a real redis-server (the test plays the worker's part by
+writing reply events itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from producer import AsyncClient, Client, JobError
+from producer.protocol import (
+    REPLY_FIELD,
+    Keys,
+    decode_job_entry,
+    done_event,
+    encode_event,
+    error_event,
+    started_event,
+    tokens_event,
+)
+from tests.fleet.harness import RedisServer, wait_for
+
+KEYS = Keys()
+
+
+def write(server: RedisServer, job_id: str, *events: dict[str, object]) -> None:
+    conn = server.client()
+    for event in events:
+        conn.xadd(KEYS.reply(job_id), {REPLY_FIELD: encode_event(event)})
+
+
+def done(attempt: int, ids: list[int]) -> dict[str, object]:
+    return done_event(attempt, [{"index": 0, "token_ids": ids, "text": "", "finish_reason":
+                                 "length", "cumulative_logprob": 0.0}], {}, {})
+
+
+def test_submitting_an_id_twice_enqueues_it_once(redis_server: RedisServer) -> None:
+    client = Client(redis_server.url)
+    first = client.submit("hi", {"temperature": 0}, model="tiny", job_id="j1")
+    second = client.submit("other", {"temperature": 0}, model="tiny", job_id="j1")
+    assert (first.created, second.created) == (True, False)
+    entries = redis_server.client().xrange(KEYS.jobs("tiny"))
+    assert len(entries) == 1
+    spec, _ = decode_job_entry(entries[0][1])
+    assert (spec.id, spec.prompt, spec.seed) == ("j1", "hi", None)
+
+
+def test_sampling_without_a_seed_gets_one_from_the_producer(redis_server: RedisServer) -> None:
+    Client(redis_server.url).submit([5, 6], {"temperature": 0.7}, model="tiny", job_id="s")
+    spec, _ = decode_job_entry(redis_server.client().xrange(KEYS.jobs("tiny"))[0][1])
+    assert spec.prompt_token_ids == [5, 6]
+    assert isinstance(spec.seed, int) and 0 <= spec.seed < 2**63
+
+
+def test_submit_and_cancel_keys_carry_ttls(redis_server: RedisServer) -> None:
+    client = Client(redis_server.url, idempotency_ttl=100, stream_ttl=200, cancel_ttl=50)
+    job = client.submit("hi", model="tiny", job_id="j2")
+    pubsub = redis_server.client().pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(KEYS.cancel_channel)
+    job.cancel()
+    message = wait_for(lambda: pubsub.get_message(timeout=0.1), what="cancel publish")
+    conn = redis_server.client()
+    assert message["data"] == b"j2"
+    assert 0 < conn.ttl(KEYS.idem("j2")) <= 100
+    assert 100 < conn.ttl(KEYS.jobs("tiny")) <= 200
+    assert 0 < conn.ttl(KEYS.cancel("j2")) <= 50
+
+
+def test_bad_params_fail_fast_in_the_producer(redis_server: RedisServer) -> None:
+    client = Client(redis_server.url)
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        client.submit("hi", {"temprature": 0}, model="tiny")
+    with pytest.raises(ValueError, match="must be 1-128 characters"):
+        client.submit("hi", model="tiny", job_id="no spaces")
+    assert redis_server.client().exists(KEYS.jobs("tiny")) == 0
+
+
+def test_stream_drops_superseded_attempts_and_repeated_positions(
+        redis_server: RedisServer) -> None:
+    write(redis_server, "j3", started_event(1, "a"), tokens_event(1, 0, 0, [7], "x"),
+          started_event(2, "b"), tokens_event(1, 0, 1, [9], "z"), tokens_event(2, 0, 0, [7], "x"),
+          tokens_event(2, 0, 1, [8], "y"), done(2, [7, 8]))
+    events = list(Client(redis_server.url).job("j3").stream(timeout=10))
+    assert [(e["type"], e.get("pos"), e.get("token_ids")) for e in events] == [
+        ("started", None, None), ("tokens", 0, [7]), ("started", None, None),
+        ("tokens", 1, [8]), ("done", None, None)]
+
+
+def test_result_raises_job_error_on_error_event(redis_server: RedisServer) -> None:
+    write(redis_server, "j4", started_event(1, "a"), error_event(1, "cancelled", "by you"))
+    with pytest.raises(JobError) as exc:
+        Client(redis_server.url).job("j4").result(timeout=10)
+    assert (exc.value.code, exc.value.message) == ("cancelled", "by you")
+
+
+def test_result_times_out_without_terminal_event(redis_server: RedisServer) -> None:
+    write(redis_server, "j5", started_event(1, "a"))
+    with pytest.raises(TimeoutError):
+        Client(redis_server.url).job("j5").result(timeout=0.3)
+
+
+def test_stream_resumes_after_redis_restarts(redis_server: RedisServer) -> None:
+    write(redis_server, "j6", started_event(1, "a"), tokens_event(1, 0, 0, [1], "a"))
+    seen: list[dict[str, object]] = []
+    reader = threading.Thread(target=lambda: seen.extend(
+        Client(redis_server.url).job("j6").stream(timeout=60)))
+    reader.start()
+    wait_for(lambda: len(seen) == 2, what="events before the restart")
+    redis_server.restart(down_s=0.5)
+    write(redis_server, "j6", tokens_event(1, 0, 1, [2], "b"), done(1, [1, 2]))
+    reader.join(60)
+    assert [(e["type"], e.get("pos")) for e in seen] == [("started", None), ("tokens", 0),
+                                                          ("tokens", 1), ("done", None)]
+
+
+def test_async_client_mirrors_the_sync_one(redis_server: RedisServer) -> None:
+    async def scenario() -> tuple[bool, bool, list[str], dict[str, object]]:
+        async with AsyncClient(redis_server.url) as client:
+            job = await client.submit("hi", {"temperature": 0}, model="tiny", job_id="a1")
+            again = await client.submit("hi", {"temperature": 0}, model="tiny", job_id="a1")
+            write(redis_server, "a1", started_event(1, "w"), tokens_event(1, 0, 0, [3], "c"),
+                  done(1, [3]))
+            kinds = [e["type"] async for e in job.stream(timeout=10)]
+            return job.created, again.created, kinds, await job.result(timeout=10)
+
+    created, again, kinds, result = asyncio.run(scenario())
+    assert (created, again) == (True, False)
+    assert kinds == ["started", "tokens", "done"]
+    assert result["outputs"][0]["token_ids"] == [3]  # type: ignore[index]

@@ -1,0 +1,211 @@
+"""The fleet end to end: real redis-server, real worker processes, outputs checked against the
+offline LLM.generate oracle on the same tiny model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from producer import Client, Job
+from producer.protocol import Keys
+from tests.fleet.harness import (
+    Expected,
+    RedisServer,
+    WorkerFactory,
+    as_expected,
+    reply_events,
+    wait_for,
+    wait_heartbeats,
+)
+from tests.tiny_models import corpus
+
+Oracle = Callable[[list[str], dict[str, Any]], list[Expected]]
+JOBS_KEY = Keys().jobs("tiny")
+GROUP = "workers"
+
+
+def mixed_params(i: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    if i % 2 == 0:
+        return {"temperature": 0, "max_tokens": max_tokens, **extra}
+    return {"temperature": 0.9, "top_k": 50, "seed": 1000 + i, "max_tokens": max_tokens, **extra}
+
+
+def expected_for(offline: Oracle, prompts: list[str],
+                 params: list[dict[str, Any]]) -> list[Expected]:
+    return [offline([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+
+
+def stream_all(jobs: list[Job], timeout: float) -> tuple[dict[str, list[dict[str, Any]]],
+                                                         list[threading.Thread]]:
+    """Consume every job's Job.stream() in its own thread, as clients would."""
+    seen: dict[str, list[dict[str, Any]]] = {job.id: [] for job in jobs}
+    threads = [threading.Thread(target=lambda j=job: seen[j.id].extend(j.stream(timeout=timeout)))
+               for job in jobs]
+    for t in threads:
+        t.start()
+    return seen, threads
+
+
+def streamed_tokens(events: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """(positions, token ids) of index 0 as a client saw them."""
+    positions: list[int] = []
+    tokens: list[int] = []
+    for e in events:
+        if e["type"] == "tokens" and e["index"] == 0:
+            positions += range(e["pos"], e["pos"] + len(e["token_ids"]))
+            tokens += e["token_ids"]
+    return positions, tokens
+
+
+def pending_of(server: RedisServer, consumer: str) -> int:
+    for c in server.client().xinfo_consumers(JOBS_KEY, GROUP):
+        if c["name"] == consumer.encode():
+            return int(c["pending"])
+    return 0
+
+
+def test_64_jobs_through_two_workers_equal_offline_outputs(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
+        offline: Oracle) -> None:
+    procs = [workers.start(redis_server.url, tiny_llama, name, "--max-num-seqs", "16")
+             for name in ("w1", "w2")]
+    wait_heartbeats(redis_server, procs)
+    prompts = corpus(64, seed=7)
+    params = [mixed_params(i, 12) for i in range(64)]
+    client = Client(redis_server.url)
+    jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
+    results = [job.result(timeout=300) for job in jobs]
+    assert [as_expected(r) for r in results] == expected_for(offline, prompts, params)
+    served_by = {e["worker"] for job in jobs for e in reply_events(redis_server, job.id)
+                 if e["type"] == "started"}
+    assert served_by == {"w1", "w2"}
+    assert all(r["attempt"] == 1 for r in results)
+
+
+def test_kill_9_mid_generation_every_job_completes_once_on_the_survivor(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
+        offline: Oracle) -> None:
+    victim = workers.start(redis_server.url, tiny_llama, "w1", "--max-num-seqs", "32",
+                           "--result-ttl", "600")
+    survivor = workers.start(redis_server.url, tiny_llama, "w2", "--max-num-seqs", "4",
+                             "--result-ttl", "600")
+    wait_heartbeats(redis_server, [victim, survivor])
+    prompts = corpus(26, seed=11)
+    params = [mixed_params(i, 150, ignore_eos=True) for i in range(26)]
+    client = Client(redis_server.url)
+    jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
+    seen, threads = stream_all(jobs, timeout=300)
+    wait_for(lambda: pending_of(redis_server, "w1") >= 20
+             and any(e["type"] == "tokens" for evs in seen.values() for e in evs),
+             timeout=60, interval=0.01, what="w1 holding 20+ jobs mid-generation")
+    held = {job.id for job in jobs
+            if any(e["type"] == "started" and e["worker"] == "w1"
+                   for e in reply_events(redis_server, job.id))}
+    victim.kill9()
+    for t in threads:
+        t.join(300)
+    expected = expected_for(offline, prompts, params)
+    for job, want in zip(jobs, expected, strict=True):
+        events = seen[job.id]
+        positions, tokens = streamed_tokens(events)
+        assert positions == list(range(150)), job.id  # each position once, in order
+        assert tokens == want[0][0]
+        assert as_expected(events[-1]) == want
+        raw = reply_events(redis_server, job.id)
+        assert sum(e["type"] in ("done", "error") for e in raw) == 1
+    finals = {job.id: seen[job.id][-1] for job in jobs}
+    moved = [jid for jid in held if finals[jid]["attempt"] == 2]
+    assert len(held) >= 20 and len(moved) >= 20
+    assert survivor.alive()
+
+
+def test_a_live_worker_with_a_long_generation_is_never_robbed(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path) -> None:
+    procs = [workers.start(redis_server.url, tiny_llama, name, "--heartbeat-ttl", "1",
+                           "--reclaim-interval", "0.1") for name in ("w1", "w2")]
+    wait_heartbeats(redis_server, procs)
+    job = Client(redis_server.url).submit("the quick brown fox", {
+        "temperature": 0, "max_tokens": 450, "ignore_eos": True, "n": 2}, model="tiny")
+    max_idle_ms = 0
+
+    def finished() -> bool:
+        nonlocal max_idle_ms
+        pending = redis_server.client().xpending_range(JOBS_KEY, GROUP, "-", "+", 10)
+        max_idle_ms = max([max_idle_ms] + [int(p["time_since_delivered"]) for p in pending])
+        return bool(redis_server.client().exists(Keys().reply(job.id))) and not pending
+
+    wait_for(finished, timeout=120, interval=0.02, what="the long job to finish")
+    result = job.result(timeout=10)
+    assert max_idle_ms > 1500  # the entry sat idle well past the heartbeat TTL...
+    started = [e for e in reply_events(redis_server, job.id) if e["type"] == "started"]
+    assert len(started) == 1 and result["attempt"] == 1  # ...and was never taken away
+    assert [len(o["token_ids"]) for o in result["outputs"]] == [450, 450]
+
+
+def test_redis_restart_mid_run_workers_reconnect_and_all_jobs_complete(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
+        offline: Oracle) -> None:
+    procs = [workers.start(redis_server.url, tiny_llama, name, "--max-num-seqs", "8")
+             for name in ("w1", "w2")]
+    wait_heartbeats(redis_server, procs)
+    prompts = corpus(16, seed=5)
+    params = [mixed_params(i, 80, ignore_eos=True) for i in range(16)]
+    client = Client(redis_server.url)
+    jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
+    seen, threads = stream_all(jobs, timeout=300)
+    wait_for(lambda: sum(e["type"] == "tokens" for evs in seen.values() for e in evs) >= 10,
+             timeout=60, interval=0.01, what="tokens before the restart")
+    redis_server.restart(down_s=1.0)
+    for t in threads:
+        t.join(300)
+    expected = expected_for(offline, prompts, params)
+    for job, want in zip(jobs, expected, strict=True):
+        positions, tokens = streamed_tokens(seen[job.id])
+        assert positions == list(range(80))
+        assert tokens == want[0][0]
+        assert as_expected(seen[job.id][-1]) == want
+    assert all(p.alive() for p in procs)
+
+
+def test_sigterm_hands_unfinished_jobs_back_at_once(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
+        offline: Oracle) -> None:
+    first = workers.start(redis_server.url, tiny_llama, "w1", "--drain-timeout", "0")
+    wait_heartbeats(redis_server, [first])
+    prompts = corpus(3, seed=3)
+    params = [{"temperature": 0, "max_tokens": 400, "ignore_eos": True}] * 3
+    client = Client(redis_server.url)
+    jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
+    wait_for(lambda: all(any(e["type"] == "tokens" for e in reply_events(redis_server, j.id))
+                         for j in jobs), timeout=60, interval=0.02, what="tokens of all jobs")
+    assert first.terminate() == 0
+    conn = redis_server.client()
+    assert conn.xpending(JOBS_KEY, GROUP)["pending"] == 0  # nothing waits for a heartbeat TTL
+    assert conn.xlen(JOBS_KEY) == 3  # handed back as new entries
+    assert not conn.exists(Keys().worker("w1"))
+    second = workers.start(redis_server.url, tiny_llama, "w2")
+    results = [job.result(timeout=300) for job in jobs]
+    assert [as_expected(r) for r in results] == expected_for(offline, prompts, params)
+    assert [r["attempt"] for r in results] == [2, 2, 2]
+    assert second.alive()
+
+
+def test_a_restarted_worker_rereads_its_own_pending_jobs_first(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
+        offline: Oracle) -> None:
+    first = workers.start(redis_server.url, tiny_llama, "w1", "--heartbeat-ttl", "60")
+    wait_heartbeats(redis_server, [first])
+    prompts = corpus(4, seed=9)
+    params = [mixed_params(i, 300, ignore_eos=True) for i in range(4)]
+    client = Client(redis_server.url)
+    jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
+    wait_for(lambda: pending_of(redis_server, "w1") == 4, timeout=60, what="w1 holding 4 jobs")
+    first.kill9()
+    # Its heartbeat lives on for a minute: only the restarted worker itself may take the jobs.
+    again = workers.start(redis_server.url, tiny_llama, "w1", "--heartbeat-ttl", "60")
+    results = [job.result(timeout=300) for job in jobs]
+    assert [as_expected(r) for r in results] == expected_for(offline, prompts, params)
+    assert [r["attempt"] for r in results] == [2, 2, 2, 2]
+    assert again.alive()
