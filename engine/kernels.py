@@ -12,6 +12,7 @@ tests/kernels executes the same records, so everything but the CuPy calls is tes
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,13 @@ def all_name_expressions() -> set[str]:
 
 
 def module_source() -> str:
-    return '#include "paged_attention.cu"\n#include "cache_kernels.cu"\n'
+    """The source CuPy compiles. CuPy's on-disk kernel cache keys on this text, not on the files
+    it includes, so the text carries a digest of cuda/: an edited kernel is never a stale hit."""
+    digest = hashlib.sha256()
+    for path in sorted(CUDA_DIR.glob("*.cu*")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return (f"// genq kernels, cuda/ sha256 {digest.hexdigest()}\n"
+            '#include "paged_attention.cu"\n#include "cache_kernels.cu"\n')
 
 
 def compile_options() -> tuple[str, ...]:
