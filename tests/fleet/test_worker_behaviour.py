@@ -1,0 +1,260 @@
+"""One worker (capacity 4, tight caps) through capacity, cancel, bad input, fuzz, dead-letter and
+TTL checks. The worker and its redis-server are shared by the module; the last test checks what
+the whole module left in Redis."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from producer import Client, JobError
+from producer.protocol import Keys, ProtocolError, decode_heartbeat, validate_name
+from tests.fleet.harness import (
+    RedisServer,
+    WorkerFactory,
+    WorkerProcess,
+    reply_events,
+    wait_for,
+    wait_heartbeats,
+)
+
+KEYS = Keys()
+JOBS_KEY = KEYS.jobs("tiny")
+DEAD_KEY = KEYS.dead("tiny")
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def worker(server: RedisServer, tiny_llama: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    factory = WorkerFactory(tmp_path_factory.mktemp("workers"))
+    proc = factory.start(server.url, tiny_llama, "solo", "--max-num-seqs", "4",
+                         "--max-tokens-cap", "500", "--max-n", "2", "--max-prompt-tokens", "64",
+                         "--max-attempts", "3", "--result-ttl", "6")
+    wait_heartbeats(server, [proc])
+    yield proc
+    factory.stop_all()
+
+
+def heartbeat(server: RedisServer) -> dict[str, Any]:
+    value = server.client().get(KEYS.worker("solo"))
+    assert value is not None
+    return decode_heartbeat(value)
+
+
+def raw_job(job_id: str, **overrides: Any) -> dict[str, Any]:
+    job = {"id": job_id, "model": "tiny", "prompt": "the quick brown fox",
+           "params": {"temperature": 0, "max_tokens": 4}, "seed": None, "created": time.time(),
+           "deadline": None, "stream": True}
+    job.update(overrides)
+    return job
+
+
+def xadd_raw(server: RedisServer, fields: dict[str, bytes]) -> str:
+    return server.client().xadd(JOBS_KEY, fields).decode()  # type: ignore[no-any-return]
+
+
+def finished_entry(server: RedisServer, entry_id: str) -> bool:
+    """The worker acked and deleted the entry (its fenced finish ran)."""
+    conn = server.client()
+    return not conn.xrange(JOBS_KEY, entry_id, entry_id) and not conn.xpending_range(
+        JOBS_KEY, "workers", entry_id, entry_id, 1)
+
+
+def terminal(server: RedisServer, job_id: str) -> dict[str, Any] | None:
+    ends = [e for e in reply_events(server, job_id) if e["type"] in ("done", "error")]
+    assert len(ends) <= 1
+    return ends[0] if ends else None
+
+
+def test_capacity_4_never_holds_more_than_4_pending_entries(server: RedisServer,
+                                                            worker: WorkerProcess) -> None:
+    client = Client(server.url)
+    jobs = [client.submit(f"prompt {i}", {"temperature": 0, "max_tokens": 30, "ignore_eos": True},
+                          model="tiny") for i in range(20)]
+    conn = server.client()
+    most = 0
+    while any(terminal(server, job.id) is None for job in jobs):
+        for c in conn.xinfo_consumers(JOBS_KEY, "workers"):
+            most = max(most, int(c["pending"]))
+        time.sleep(0.005)
+    assert most == 4
+    assert all(terminal(server, job.id)["type"] == "done" for job in jobs)  # type: ignore[index]
+
+
+def test_cancel_mid_generation_frees_blocks_and_ends_with_cancelled(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    job = Client(server.url).submit("the quick brown", {"temperature": 0, "max_tokens": 500,
+                                                        "ignore_eos": True}, model="tiny")
+    stream = job.stream(timeout=60)
+    assert next(stream)["type"] == "started"
+    assert next(stream)["type"] == "tokens"
+    job.cancel()
+    with pytest.raises(JobError) as exc:
+        job.result(timeout=30)
+    assert exc.value.code == "cancelled"
+    idle = wait_for(lambda: (hb := heartbeat(server))["held"] == 0 and hb, timeout=10,
+                    what="an idle heartbeat")
+    assert idle["num_free_blocks"] == idle["num_total_blocks"]
+    assert idle["cancelled"] >= 1
+
+
+BAD_JOBS: list[tuple[str, dict[str, Any], str]] = [
+    ("unknown param", {"params": {"temprature": 0}}, "unknown_field"),
+    ("wrong type", {"params": {"max_tokens": "4"}}, "wrong_type"),
+    ("max_tokens <= 0", {"params": {"max_tokens": 0}}, "invalid_params"),
+    ("max_tokens over cap", {"params": {"max_tokens": 501}}, "limit_exceeded"),
+    ("n over cap", {"params": {"n": 3, "temperature": 0}}, "limit_exceeded"),
+    ("giant prompt", {"prompt": "the quick brown fox " * 100}, "limit_exceeded"),
+    ("bad value", {"params": {"top_p": 2.0}}, "invalid_params"),
+    ("unknown model", {"model": "other"}, "unknown_model"),
+    ("missing field", {"params": None}, "missing_field"),
+    ("expired deadline", {"deadline": 1.0}, "deadline_exceeded"),
+    ("token id out of vocab", {"prompt": None, "prompt_token_ids": [10**9]}, "bad_prompt"),
+    ("empty prompt", {"prompt": ""}, "bad_prompt"),
+]
+
+
+@pytest.mark.parametrize("why, overrides, code", BAD_JOBS, ids=[b[0] for b in BAD_JOBS])
+def test_bad_input_gets_an_error_event_with_a_reason(server: RedisServer, worker: WorkerProcess,
+                                                     why: str, overrides: dict[str, Any],
+                                                     code: str) -> None:
+    job_id = f"bad-{next(_ids)}"
+    job = {k: v for k, v in raw_job(job_id, **overrides).items() if v is not None
+           or k in ("seed", "deadline")}
+    entry = xadd_raw(server, {"v": b"1", "job": msgpack.packb(job)})
+    end = wait_for(lambda: terminal(server, job_id), timeout=30, what=f"an answer to {why}")
+    assert (end["type"], end["code"]) == ("error", code)
+    assert len(end["message"]) > 10
+    wait_for(lambda: finished_entry(server, entry), timeout=10, what="the entry acked")
+    assert worker.alive()
+
+
+@pytest.mark.parametrize("fields, code", [
+    ({"v": b"1", "job": b"\xc1 not msgpack"}, "malformed"),
+    ({"v": b"1", "job": msgpack.packb(raw_job("has space"))}, "bad_id"),
+    ({"v": b"9", "job": msgpack.packb(raw_job("v9"))}, "bad_version"),
+    ({"x": b"1"}, "unknown_field"),
+])
+def test_input_without_a_valid_id_is_dead_lettered_with_a_reason(
+        server: RedisServer, worker: WorkerProcess, fields: dict[str, bytes], code: str) -> None:
+    entry = xadd_raw(server, fields)
+    dead = wait_for(lambda: dead_letter(server, entry), timeout=30, what="a dead letter")
+    assert dead[b"code"].decode() == code and len(dead[b"reason"]) > 10
+    assert dead[b"worker"] == b"solo"
+    assert finished_entry(server, entry)
+
+
+def dead_letter(server: RedisServer, entry_id: str) -> dict[bytes, bytes] | None:
+    for _id, fields in server.client().xrange(DEAD_KEY):
+        if fields.get(b"entry") == entry_id.encode():
+            return fields  # type: ignore[no-any-return]
+    return None
+
+
+def test_a_job_delivered_more_than_max_attempts_is_dead_lettered(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    """A job that (say) crashed three workers: a ghost consumer with no heartbeat holds it after
+    three deliveries; the worker reclaims it as the 4th delivery and dead-letters it unrun."""
+    conn = server.client()
+    pipe = conn.pipeline(transaction=True)  # the ghost reads it before the worker can
+    pipe.xadd(JOBS_KEY, {"v": b"1", "job": msgpack.packb(raw_job("poison"))})
+    pipe.xreadgroup("workers", "ghost", {JOBS_KEY: ">"}, count=1)
+    entry = pipe.execute()[0].decode()
+    for _ in range(2):
+        conn.xclaim(JOBS_KEY, "workers", "ghost", 0, [entry])
+    end = wait_for(lambda: terminal(server, "poison"), timeout=30, what="the poison job's end")
+    assert (end["type"], end["code"], end["attempt"]) == ("error", "max_attempts", 4)
+    assert dead_letter(server, entry) is not None
+    wait_for(lambda: b"ghost" not in [c["name"] for c in conn.xinfo_consumers(JOBS_KEY,
+                                                                               "workers")],
+             timeout=10, what="the ghost consumer removed")
+
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1),
+                  st.floats(allow_nan=True), st.text(max_size=6), st.binary(max_size=6))
+_value = st.recursive(_leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=8)
+_mutated_job = st.builds(
+    lambda field, value: {**raw_job("x"), field: value},
+    st.sampled_from(["id", "model", "prompt", "prompt_token_ids", "params", "seed", "created",
+                     "deadline", "stream", "zzz"]), _value)
+_params_job = st.builds(lambda params: raw_job("x", params=params),
+                        st.dictionaries(st.sampled_from(["n", "temperature", "max_tokens", "stop",
+                                                         "top_k", "seed", "bogus"]), _value,
+                                        max_size=3))
+_payload = st.one_of(st.binary(max_size=40),
+                     _mutated_job.map(lambda j: msgpack.packb(j)),
+                     _params_job.map(lambda j: msgpack.packb(j)),
+                     _value.map(lambda v: msgpack.packb(v)))
+
+
+def _with_unique_id(payload: bytes) -> tuple[bytes, str | None]:
+    """Give a payload whose id is valid a fresh id, so examples never share a reply stream."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        if isinstance(obj, dict):
+            validate_name(obj.get("id"))
+            obj["id"] = f"fz-{next(_ids)}"
+            return msgpack.packb(obj), obj["id"]
+    except (ValueError, TypeError, ProtocolError, msgpack.UnpackException):
+        pass
+    except Exception:  # msgpack's ExtraData and friends
+        pass
+    return payload, None
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(_payload, min_size=1, max_size=4))
+def test_fuzzed_payloads_interleaved_with_good_jobs(server: RedisServer, worker: WorkerProcess,
+                                                    payloads: list[bytes]) -> None:
+    client = Client(server.url)
+    sent: list[tuple[str, str | None]] = []
+    good = []
+    for payload in payloads:
+        body, job_id = _with_unique_id(payload)
+        sent.append((xadd_raw(server, {"v": b"1", "job": body}), job_id))
+        good.append(client.submit("the quick", {"temperature": 0, "max_tokens": 3},
+                                  model="tiny"))
+    for job in good:
+        assert job.result(timeout=60)["outputs"][0]["finish_reason"] == "length"
+    for entry, job_id in sent:
+        wait_for(lambda e=entry: finished_entry(server, e), timeout=30, what="fuzz entry done")
+        if job_id is None:
+            dead = dead_letter(server, entry)
+            assert dead is not None and dead[b"reason"]
+        else:
+            end = wait_for(lambda j=job_id: terminal(server, j), timeout=30, what="an answer")
+            assert end["type"] == "done" or end["message"]
+    assert worker.alive()
+
+
+def test_no_genq_key_outlives_its_ttl(server: RedisServer, worker: WorkerProcess) -> None:
+    """Runs last: after the module's jobs finish and the reply TTL passes, no reply stream is
+    left, the job stream holds no entries, and every genq key still present has a TTL."""
+    conn = server.client()
+    wait_for(lambda: not list(conn.scan_iter(match="genq:reply:*")), timeout=30,
+             interval=0.2, what="reply streams to expire")
+    assert conn.xlen(JOBS_KEY) == 0
+    assert conn.xpending(JOBS_KEY, "workers")["pending"] == 0
+    keys = sorted(k.decode() for k in conn.scan_iter(match="genq:*"))
+    assert keys and {k: conn.ttl(k) for k in keys if conn.ttl(k) < 0} == {}
+    assert worker.alive()
