@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("producer.cli:submit_main", "submit one job and stream its text"),
     "status": ("producer.cli:status_main", "queues and workers as a table"),
     "worker": ("worker.main:main", "serve one model on one device (imports the engine)"),
+    "gateway": ("producer.gateway:main", "OpenAI-compatible HTTP gateway (FastAPI + uvicorn)"),
+    "bench": ("producer.bench:bench_main", "round trips through a running fleet, timed by Redis"),
 }
 
 

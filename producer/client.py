@@ -31,6 +31,10 @@ BLOCK_MS = 1000
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
 
 
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class JobError(RuntimeError):
     """A job ended with an error event (code is e.g. "cancelled", "invalid_params")."""
 
@@ -96,7 +100,22 @@ class Client:
         entry_id = self._submit_script(
             keys=[self.keys.idem(spec.id), self.keys.jobs(model)],
             args=[self.idempotency_ttl, PROTOCOL_VERSION, entry["job"], self.stream_ttl])
-        return Job(self, spec.id, model, created=entry_id is not None)
+        return Job(self, spec.id, model, created=entry_id is not None, entry_id=_text(entry_id))
+
+    def submit_many(self, prompts: Sequence[str | Sequence[int]],
+                    params: dict[str, Any] | None = None, *, model: str,
+                    stream: bool = True) -> list[Job]:
+        """Submit many jobs in one pipelined round trip (fresh ids)."""
+        specs = [make_job_spec(p, params, model, None, None, stream) for p in prompts]
+        pipe = self.redis.pipeline(transaction=False)
+        for spec in specs:
+            self._submit_script(keys=[self.keys.idem(spec.id), self.keys.jobs(model)],
+                                args=[self.idempotency_ttl, PROTOCOL_VERSION,
+                                      encode_job_entry(spec)["job"], self.stream_ttl],
+                                client=pipe)
+        ids = pipe.execute()
+        return [Job(self, spec.id, model, created=eid is not None, entry_id=_text(eid))
+                for spec, eid in zip(specs, ids, strict=True)]
 
     def job(self, job_id: str, model: str = "") -> Job:
         """A handle on a job submitted elsewhere (to stream or cancel it)."""
@@ -122,11 +141,13 @@ class Client:
 class Job:
     """One submitted job. `created` is False when the id had already been submitted."""
 
-    def __init__(self, client: Client, job_id: str, model: str, created: bool) -> None:
+    def __init__(self, client: Client, job_id: str, model: str, created: bool,
+                 entry_id: str | None = None) -> None:
         self.client = client
         self.id = job_id
         self.model = model
         self.created = created
+        self.entry_id = entry_id  # the job-stream entry (its ms part is the enqueue time)
         self.reply_key = client.keys.reply(job_id)
 
     def __repr__(self) -> str:

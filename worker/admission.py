@@ -19,6 +19,8 @@ from producer.protocol import JobSpec, Keys, ProtocolError, check_limits, decode
 from worker.config import WorkerConfig
 from worker.jobs import ActiveJob
 
+_SPECIAL_TOKEN_ALLOWANCE = 4
+
 
 @dataclass
 class Rejection:
@@ -106,8 +108,12 @@ class Admission:
             prompt: str | list[int] = list(spec.prompt_token_ids)
         else:
             assert spec.prompt is not None
-            num_tokens = len(self.tokenizer.encode(spec.prompt))
             prompt = spec.prompt
+            # Byte-level tokenizers give at most one token per byte (+ BOS/EOS): a short prompt
+            # cannot be over the cap, and tokenizing it here would double the engine's work.
+            num_bytes = len(prompt.encode())
+            short = num_bytes + _SPECIAL_TOKEN_ALLOWANCE <= self.max_prompt_tokens
+            num_tokens = num_bytes if short else len(self.tokenizer.encode(prompt))
         if num_tokens > self.max_prompt_tokens:
             raise ProtocolError("limit_exceeded", f"prompt has {num_tokens} tokens, over the "
                                 f"cap of {self.max_prompt_tokens}", spec.id)

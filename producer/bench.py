@@ -1,0 +1,108 @@
+"""`genq bench`: round trips through a running fleet, timed by Redis itself.
+
+Every stream entry id starts with the Redis server's clock in ms, so submit -> started and
+submit -> done are read from the job entry's id and the reply entries' ids: no client polling
+bias. Throughput is jobs / (last done - first submit); token events/s is the number of tokens
+events / (first started -> last done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+from producer.cli import add_redis_args
+from producer.client import Client
+from producer.protocol import REPLY_FIELD, decode_event
+
+
+def bench_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="genq bench", description=__doc__)
+    parser.add_argument("--model", required=True)
+    add_redis_args(parser)
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--prompt", default="the quick brown fox")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--no-stream", action="store_true", help="done events only")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    params = {"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
+    figures = run_bench(Client(args.redis, prefix=args.prefix), args.model, args.jobs, params,
+                        args.prompt, not args.no_stream, args.timeout)
+    print_figures(figures)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(figures, out, indent=2)
+    return 0 if figures["failed"] == 0 else 1
+
+
+def run_bench(client: Client, model: str, num_jobs: int, params: dict[str, Any], prompt: str,
+              stream: bool, timeout: float) -> dict[str, Any]:
+    jobs = []
+    for start in range(0, num_jobs, 500):
+        count = min(500, num_jobs - start)
+        jobs += client.submit_many([prompt] * count, params, model=model, stream=stream)
+    failed = 0
+    for job in jobs:
+        try:
+            job.result(timeout=timeout)
+        except Exception:
+            failed += 1
+    to_started, to_done, submits, starts, dones = [], [], [], [], []
+    num_token_events = 0
+    pipe = client.redis.pipeline(transaction=False)
+    for job in jobs:
+        pipe.xrange(job.reply_key)
+    for job, entries in zip(jobs, pipe.execute(), strict=True):
+        submitted = _ms(job.entry_id or "0-0")
+        submits.append(submitted)
+        for entry_id, fields in entries:
+            event = decode_event(fields[REPLY_FIELD.encode()])
+            if event["type"] == "started":
+                starts.append(_ms(entry_id))
+                to_started.append(_ms(entry_id) - submitted)
+            elif event["type"] == "tokens":
+                num_token_events += 1
+            else:
+                dones.append(_ms(entry_id))
+                to_done.append(_ms(entry_id) - submitted)
+    wall_ms = max(max(dones, default=0) - min(submits, default=0), 1)
+    gen_ms = max(max(dones, default=0) - min(starts, default=0), 1)
+    return {"jobs": num_jobs, "failed": failed, "params": params, "wall_s": wall_ms / 1000,
+            "jobs_per_s": len(dones) / (wall_ms / 1000),
+            "submit_to_started_ms": _percentiles(to_started),
+            "submit_to_done_ms": _percentiles(to_done),
+            "token_events": num_token_events,
+            "token_events_per_s": num_token_events / (gen_ms / 1000)}
+
+
+def print_figures(f: dict[str, Any]) -> None:
+    print(f"jobs {f['jobs']} (failed {f['failed']}) in {f['wall_s']:.2f} s: "
+          f"{f['jobs_per_s']:.0f} jobs/s")
+    for name in ("submit_to_started_ms", "submit_to_done_ms"):
+        p = f[name]
+        print(f"{name:<22} p50 {p['p50']:.0f}  p99 {p['p99']:.0f}  max {p['max']:.0f}")
+    print(f"token events {f['token_events']}: {f['token_events_per_s']:.0f}/s")
+
+
+def _ms(entry_id: bytes | str) -> int:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-")[0])
+
+
+def _percentiles(values: list[int]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {"p50": float(statistics.median(ordered)), "p99": float(p99),
+            "max": float(ordered[-1])}
+
+
+if __name__ == "__main__":
+    sys.exit(bench_main(sys.argv[1:]))
