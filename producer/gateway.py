@@ -1,0 +1,314 @@
+"""`genq gateway`: an OpenAI-compatible HTTP front (FastAPI + uvicorn) for a genq fleet.
+
+    genq gateway --redis redis://127.0.0.1:6379/0 --host 127.0.0.1 --port 8000
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health. The OpenAI
+`model` is the served model name jobs route by; /v1/models lists the names in live workers'
+heartbeats.
+
+Contracts:
+- One job per prompt; the job's id is the `Genq-Job-Id` request header (an idempotency key: it
+  runs once) or a fresh one, and comes back in the `Genq-Job-Id` response header.
+- `stream: true` answers server-sent events whose `id:` is the reply-stream entry id. The same
+  request sent again with the same Genq-Job-Id and a `Last-Event-ID` header resumes after that
+  entry (the job is not submitted twice).
+- A client that disconnects cancels its job(s) after `resume_grace_s` (a resume within it keeps
+  the job running; the grace is per gateway process).
+- Errors are OpenAI's shape {"error": {message, type, param, code}}: 400 bad params, 404 unknown
+  model, 429 queue depth (waiting + running jobs of the model) at or over max_queue_depth, 503 no
+  live worker serves a model that has a queue, 504 the job's deadline (now + timeout_s) passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from producer import openai_schema as oa
+from producer.async_client import AsyncClient
+from producer.client import make_job_spec
+from producer.gateway_fleet import FleetView, JobReader, error_status
+from producer.openai_schema import GatewayError
+from producer.protocol import DEFAULT_PREFIX, Limits, ProtocolError, check_limits, validate_name
+
+T = TypeVar("T")
+JOB_ID_HEADER = "Genq-Job-Id"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = DEFAULT_PREFIX
+    max_queue_depth: int = 1024  # per model: waiting + running jobs at or over this -> 429
+    timeout_s: float = 600.0  # each job's deadline is now + timeout_s; past it -> 504
+    resume_grace_s: float = 2.0  # a disconnected stream's job is cancelled after this
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        if self.max_queue_depth < 1:
+            raise ValueError(f"--max-queue-depth must be at least 1, got {self.max_queue_depth}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
+        if self.resume_grace_s < 0:
+            raise ValueError(f"--resume-grace must be >= 0, got {self.resume_grace_s}")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.client = AsyncClient(cfg.redis_url, prefix=cfg.prefix)
+        self.fleet = FleetView(self.client.redis, self.client.keys)
+        self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ submission
+
+    async def submit(self, request: Request, model: str, prompts: list[str | list[int]],
+                     params: dict[str, Any]) -> list[str]:
+        """Check everything a producer can, then enqueue one job per prompt -> job ids."""
+        await self.fleet.require_model(model, self.cfg.max_queue_depth)
+        base = request.headers.get(JOB_ID_HEADER) or uuid.uuid4().hex
+        ids = [base] if len(prompts) == 1 else [f"{base}-{k}" for k in range(len(prompts))]
+        deadline = time.time() + self.cfg.timeout_s
+        for job_id, prompt in zip(ids, prompts, strict=True):
+            self._keep(job_id)
+            try:
+                validate_name(job_id)
+                check_limits(make_job_spec(prompt, params, model, job_id, deadline, True),
+                             self.cfg.limits)
+                await self.client.submit(prompt, params, model=model, job_id=job_id,
+                                         deadline=deadline)
+            except ProtocolError as exc:
+                raise GatewayError(400, exc.message, code=exc.code) from None
+        return ids
+
+    def _keep(self, job_id: str) -> None:
+        """A request for a job that is due to be cancelled (its stream was cut) keeps it."""
+        handle = self._pending_cancels.pop(job_id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def cancel_later(self, job_ids: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        for job_id in job_ids:
+            self._keep(job_id)
+            self._pending_cancels[job_id] = loop.call_later(
+                self.cfg.resume_grace_s, self._cancel_now, job_id)
+
+    def _cancel_now(self, job_id: str) -> None:
+        self._pending_cancels.pop(job_id, None)
+        task = asyncio.get_running_loop().create_task(self.client.cancel(job_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def reader(self, job_id: str, after: str | None = None) -> JobReader:
+        return JobReader(self.client.blocking_redis, self.client.keys.reply(job_id), job_id,
+                         after, self.cfg.timeout_s + 30)
+
+    # ------------------------------------------------------------------ answers
+
+    async def complete(self, request: Request, req: oa.CompletionRequest | oa.ChatCompletionRequest,
+                       prompts: list[str | list[int]], chat: bool) -> Response:
+        params = req.to_params()
+        if req.stream and len(prompts) > 1:
+            raise GatewayError(400, "stream: true takes one prompt; send one request per prompt",
+                               param="prompt")
+        ids = await self.submit(request, req.model, prompts, params)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        headers = {JOB_ID_HEADER: ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]}
+        if req.stream:
+            return await self._stream(request, req, ids[0], prefix + headers[JOB_ID_HEADER],
+                                      chat, headers)
+        try:
+            results = await watch_disconnect(request, asyncio.gather(
+                *(self.reader(job_id).result() for job_id in ids)))
+        except ClientGone:
+            self.cancel_later(ids)
+            return Response(status_code=499)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for k, result in enumerate(results):
+            for out in result["outputs"]:
+                choices.append(oa.choice(k * req.n + out["index"], out["text"],
+                                         out["finish_reason"], chat))
+            prompt_tokens += result["usage"]["prompt_tokens"]
+            completion_tokens += result["usage"]["completion_tokens"]
+        body = oa.completion_response(prefix + headers[JOB_ID_HEADER], req.model, choices,
+                                      oa.usage(prompt_tokens, completion_tokens), chat)
+        return JSONResponse(body, headers=headers)
+
+    async def _stream(self, request: Request,
+                      req: oa.CompletionRequest | oa.ChatCompletionRequest, job_id: str,
+                      response_id: str, chat: bool, headers: dict[str, str]) -> Response:
+        events = self.reader(job_id, after=request.headers.get("last-event-id")).events()
+        try:  # the first event decides the status: a job the worker rejects is a 4xx/5xx
+            first = await watch_disconnect(request, anext_or_none(events))
+        except ClientGone:
+            await events.aclose()
+            self.cancel_later([job_id])
+            return Response(status_code=499)
+        if first is not None and first[1]["type"] == "error":
+            await events.aclose()
+            raise error_status(first[1])
+        created = int(time.time())
+
+        async def body() -> AsyncIterator[str]:
+            finished = False
+            started: set[int] = set()
+            try:
+                pending = [first] if first is not None else []
+                async for entry_id, event in chain(pending, events):
+                    for data in sse_payloads(event, response_id, req, created, chat, started):
+                        yield f"id: {entry_id}\ndata: {json.dumps(data)}\n\n"
+                    finished = event["type"] in ("done", "error")
+                yield "data: [DONE]\n\n"
+            finally:
+                if not finished:  # the client went away (or we failed): stop the job
+                    with anyio.CancelScope(shield=True):
+                        await events.aclose()
+                    self.cancel_later([job_id])
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+
+
+def sse_payloads(event: dict[str, Any], response_id: str,
+                 req: oa.CompletionRequest | oa.ChatCompletionRequest, created: int, chat: bool,
+                 started: set[int]) -> list[dict[str, Any]]:
+    """The SSE data objects one genq event becomes (restart and started become none)."""
+    kind = event["type"]
+    if kind == "tokens":
+        first = event["index"] not in started
+        started.add(event["index"])
+        return [oa.chunk(response_id, req.model, created, event["index"], event["text"], None,
+                         chat, first)]
+    if kind == "done":
+        out = [oa.chunk(response_id, req.model, created, o["index"], None, o["finish_reason"],
+                        chat, o["index"] not in started) for o in event["outputs"]]
+        if req.include_usage:
+            u = event["usage"]
+            out.append(oa.usage_chunk(response_id, req.model, created,
+                                      oa.usage(u["prompt_tokens"], u["completion_tokens"]), chat))
+        return out
+    if kind == "error":
+        return [error_status(event).body()]
+    return []
+
+
+async def anext_or_none(it: AsyncIterator[T]) -> T | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def chain(first: list[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
+async def watch_disconnect(request: Request, work: Awaitable[T], poll_s: float = 0.25) -> T:
+    """Await `work`; raise ClientGone (and cancel it) if the HTTP client disconnects first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def create_app(cfg: GatewayConfig) -> FastAPI:
+    gateway = Gateway(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await gateway.client.close()
+
+    app = FastAPI(title="genq gateway", version="1", lifespan=lifespan)
+    app.state.gateway = gateway
+
+    @app.exception_handler(GatewayError)
+    async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(GatewayError(400, message, param=".".join(loc) or None).body(),
+                            status_code=400)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        served = await gateway.fleet.live_models(fresh=True)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "genq",
+             "workers": count} for name, count in sorted(served.items())]}
+
+    @app.post("/v1/completions")
+    async def completions(req: oa.CompletionRequest, request: Request) -> Response:
+        return await gateway.complete(request, req, req.prompts(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: oa.ChatCompletionRequest, request: Request) -> Response:
+        req.to_params()  # bad params are a 400 before anything else
+        raise GatewayError(501, "chat completions need the worker to apply the model's chat "
+                           "template, and protocol v1 jobs have no 'messages' field yet; use "
+                           "/v1/completions", type_="not_implemented", code="not_implemented")
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    p = argparse.ArgumentParser(prog="genq gateway", description="OpenAI-compatible gateway")
+    p.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue-depth", type=int, default=GatewayConfig.max_queue_depth)
+    p.add_argument("--timeout", type=float, default=GatewayConfig.timeout_s,
+                   help="seconds a job may take from submit to its end (then 504)")
+    p.add_argument("--resume-grace", type=float, default=GatewayConfig.resume_grace_s,
+                   help="seconds a cut stream's job waits for a resume before it is cancelled")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    try:
+        cfg = GatewayConfig(redis_url=args.redis, prefix=args.prefix,
+                            max_queue_depth=args.max_queue_depth, timeout_s=args.timeout,
+                            resume_grace_s=args.resume_grace)
+    except ValueError as exc:
+        p.error(str(exc))
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

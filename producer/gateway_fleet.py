@@ -1,0 +1,151 @@
+"""What the gateway reads from Redis: which models live workers serve, how deep their queues are,
+and one job's reply stream with the entry ids that become server-sent event ids."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import ConnectionError as RedisConnectionError
+from redis import ResponseError
+from redis import TimeoutError as RedisTimeoutError
+
+from producer.client import BLOCK_MS
+from producer.openai_schema import GatewayError
+from producer.protocol import REPLY_FIELD, Keys, ProtocolError, decode_event, decode_heartbeat
+from producer.replies import ReplyDeduper
+
+# A job's error code -> (HTTP status, OpenAI error type).
+_ERROR_STATUS: dict[str, tuple[int, str]] = {
+    "unknown_model": (404, "invalid_request_error"),
+    "deadline_exceeded": (504, "timeout"),
+    "cancelled": (499, "cancelled"),
+    "engine_error": (500, "server_error"),
+    "max_attempts": (500, "server_error"),
+    "no_result": (500, "server_error"),
+}
+
+
+def error_status(event: dict[str, Any]) -> GatewayError:
+    """An error event as an OpenAI error: bad input is a 400 unless the code says otherwise."""
+    status, type_ = _ERROR_STATUS.get(event["code"], (400, "invalid_request_error"))
+    return GatewayError(status, event["message"], type_=type_, code=event["code"])
+
+
+class FleetView:
+    """Live workers' models (from heartbeats, cached for a second) and queue depths."""
+
+    def __init__(self, conn: aioredis.Redis, keys: Keys, cache_s: float = 1.0) -> None:
+        self.conn = conn
+        self.keys = keys
+        self.cache_s = cache_s
+        self._models: dict[str, int] = {}
+        self._models_at = -1e9
+
+    async def live_models(self, fresh: bool = False) -> dict[str, int]:
+        """{served model name: number of live workers}."""
+        if not fresh and time.monotonic() - self._models_at < self.cache_s:
+            return self._models
+        names = [k async for k in self.conn.scan_iter(match=f"{self.keys.worker_prefix}*",
+                                                      count=1000)]
+        values = await self.conn.mget(names) if names else []
+        models: dict[str, int] = {}
+        for value in values:
+            if not isinstance(value, bytes):
+                continue
+            try:
+                model = decode_heartbeat(value).get("model")
+            except ProtocolError:
+                continue
+            if isinstance(model, str):
+                models[model] = models.get(model, 0) + 1
+        self._models, self._models_at = models, time.monotonic()
+        return models
+
+    async def queue_depth(self, model: str) -> int | None:
+        """Jobs of the model not finished: waiting for a worker (lag) + held by workers (pending).
+        None when the model has no job stream."""
+        try:
+            groups = await self.conn.xinfo_groups(self.keys.jobs(model))
+        except ResponseError:
+            return None
+        for group in groups:
+            name = group["name"]
+            if (name.decode() if isinstance(name, bytes) else name) == self.keys.group:
+                return int(group.get("lag") or 0) + int(group.get("pending") or 0)
+        return int(await self.conn.xlen(self.keys.jobs(model)))
+
+    async def require_model(self, model: str, max_queue_depth: int) -> None:
+        """404 unknown model, 503 a queue but no live worker, 429 the queue is too deep."""
+        try:
+            self.keys.jobs(model)
+        except ProtocolError as exc:
+            raise GatewayError(404, exc.message, param="model", code="model_not_found") from None
+        if model not in await self.live_models():
+            depth = await self.queue_depth(model)
+            if depth is None:
+                raise GatewayError(404, f"the model {model!r} does not exist: no live worker "
+                                   "serves it (see /v1/models)", param="model",
+                                   code="model_not_found")
+            raise GatewayError(503, f"no live worker serves {model!r} right now; retry later",
+                               type_="server_error", code="no_worker")
+        depth = await self.queue_depth(model) or 0
+        if depth >= max_queue_depth:
+            raise GatewayError(429, f"the queue of {model!r} holds {depth} jobs, at the limit of "
+                               f"{max_queue_depth}; retry later", type_="rate_limit_exceeded",
+                               code="queue_full")
+
+
+def _entry_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class JobReader:
+    """One job's reply stream, deduplicated across attempts (ReplyDeduper), as
+    (entry id, event) pairs. With `after`, everything up to that entry is read and folded into
+    the deduper but not yielded: a resumed stream continues exactly where the client stopped."""
+
+    def __init__(self, conn: aioredis.Redis, reply_key: str, job_id: str, after: str | None,
+                 timeout_s: float) -> None:
+        self.conn = conn
+        self.reply_key = reply_key
+        self.job_id = job_id
+        self.after = _entry_key(after) if after else None
+        self.timeout_s = timeout_s
+
+    async def events(self) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        dedupe = ReplyDeduper()
+        last = "0-0"
+        end = time.monotonic() + self.timeout_s
+        while True:
+            block = int(max(1, min(BLOCK_MS, (end - time.monotonic()) * 1000)))
+            try:
+                resp: Any = await self.conn.xread({self.reply_key: last}, count=512, block=block)
+            except (RedisConnectionError, RedisTimeoutError):
+                resp = []
+            for _key, entries in resp or []:
+                for raw_id, fields in entries:
+                    last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+                    out = dedupe.feed(decode_event(fields[REPLY_FIELD.encode()]))
+                    if self.after is None or _entry_key(last) > self.after:
+                        for event in out:
+                            yield last, event
+                    if dedupe.finished:
+                        return
+            if time.monotonic() >= end:
+                raise GatewayError(504, f"job {self.job_id} did not finish within "
+                                   f"{self.timeout_s:.0f} s", type_="timeout",
+                                   code="deadline_exceeded")
+
+    async def result(self) -> dict[str, Any]:
+        """The done event; an error event raises its GatewayError."""
+        async for _entry_id, event in self.events():
+            if event["type"] == "done":
+                return event
+            if event["type"] == "error":
+                raise error_status(event)
+        raise GatewayError(500, f"job {self.job_id}: the reply ended without a result",
+                           type_="server_error")

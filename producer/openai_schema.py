@@ -1,0 +1,192 @@
+"""The OpenAI wire shapes the gateway speaks: requests in (pydantic), responses and errors out.
+
+Requests map onto genq's sampling params (vLLM's names); fields genq does not implement are a 400
+with the field's name, never silently ignored. Fields outside OpenAI's set that are genq sampling
+params (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...) pass
+through, so the openai client's `extra_body` reaches the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from producer.protocol import SAMPLING_PARAM_NAMES
+
+# OpenAI fields with a direct genq counterpart (same name, same meaning).
+_SHARED = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+# genq sampling params a request may add beyond OpenAI's set (what vLLM calls extra params).
+EXTRA_PARAM_NAMES = SAMPLING_PARAM_NAMES - {"max_tokens", "stop", "logprobs", "best_of", *_SHARED}
+
+
+class GatewayError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    # Extra fields are kept so that genq params arrive and unknown ones get a named 400.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
+        if self.logit_bias:
+            raise GatewayError(400, "logit_bias is not supported by genq", param="logit_bias")
+        params: dict[str, Any] = {name: getattr(self, name) for name in _SHARED}
+        if params["seed"] is None:
+            del params["seed"]
+        if self.stop is not None:
+            params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        for name, value in (self.model_extra or {}).items():
+            if name not in EXTRA_PARAM_NAMES:
+                raise GatewayError(400, f"unknown or unsupported parameter {name!r}", param=name)
+            params[name] = value
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per job: text or token ids."""
+        prompt: Any = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        if not prompt:
+            raise GatewayError(400, "the prompt is empty", param="prompt")
+        return list(prompt)
+
+    def to_params(self) -> dict[str, Any]:
+        for name in ("echo", "suffix", "logprobs"):
+            if getattr(self, name) not in (None, False):
+                raise GatewayError(400, f"{name} is not supported by the genq gateway",
+                                   param=name)
+        params = self.sampling_params(self.max_tokens)
+        if self.best_of is not None:
+            params["best_of"] = self.best_of
+        return params
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise GatewayError(400, "only text content parts are supported",
+                                   param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+
+    def to_params(self) -> dict[str, Any]:
+        if self.logprobs:
+            raise GatewayError(400, "logprobs is not supported by the genq gateway",
+                               param="logprobs")
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens)
+
+    def wire_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# --------------------------------------------------------------------------- responses
+
+def finish_reason(reason: str | None) -> str | None:
+    """Engine finish reasons are OpenAI's for stop and length; anything else passes through."""
+    return reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(response_id: str, model: str, choices: list[dict[str, Any]],
+                        usage_: dict[str, int], chat: bool) -> dict[str, Any]:
+    return {"id": response_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage_}
+
+
+def choice(index: int, text: str, reason: str | None, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish_reason(reason)}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+
+
+def chunk(response_id: str, model: str, created: int, index: int, text: str | None,
+          reason: str | None, chat: bool, first: bool = False) -> dict[str, Any]:
+    """One streamed choice delta (text None: a finish-only chunk)."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
+                                "finish_reason": finish_reason(reason)}
+    else:
+        body = {"index": index, "text": text or "", "logprobs": None,
+                "finish_reason": finish_reason(reason)}
+    return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [body]}
+
+
+def usage_chunk(response_id: str, model: str, created: int, usage_: dict[str, int],
+                chat: bool) -> dict[str, Any]:
+    return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": usage_}

@@ -1,0 +1,302 @@
+"""`genq gateway` with the official openai client against a live gateway + worker + redis-server.
+
+Every generated text is checked against the offline engine (LLM.generate) on the same tiny model:
+greedy and seeded jobs are deterministic, whichever worker runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.fleet.harness import (
+    RedisServer,
+    WorkerFactory,
+    free_port,
+    reply_events,
+    wait_for,
+    wait_heartbeats,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "hello world"
+Oracle = Callable[[str, dict[str, Any]], list[tuple[str, str | None, int]]]
+
+
+class GatewayProcess:
+    def __init__(self, redis_url: str, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "producer.cli", "gateway", "--redis", redis_url,
+                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+                 *extra], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.log = log
+
+        def up() -> bool:
+            assert self.proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, timeout=60, interval=0.1, what="the gateway")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
+                             timeout=120)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory,
+          tiny_llama: Path) -> Iterator[tuple[RedisServer, GatewayProcess]]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    server = RedisServer(tmp)
+    server.start()
+    workers = WorkerFactory(tmp)
+    gateway = None
+    try:
+        worker = workers.start(server.url, tiny_llama, "gw-worker")
+        gateway = GatewayProcess(server.url, tmp / "gateway.log", "--resume-grace", "0.2")
+        wait_heartbeats(server, [worker])
+        yield server, gateway
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        workers.stop_all()
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def client(fleet: tuple[RedisServer, GatewayProcess]) -> openai.OpenAI:
+    return fleet[1].openai()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path) -> Oracle:
+    """(text, finish_reason, number of tokens) per sequence, from LLM.generate."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=256, swap_space=0.01,
+              num_threads=1)
+
+    def run(prompt: str, params: dict[str, Any]) -> list[tuple[str, str | None, int]]:
+        [out] = llm.generate([prompt], SamplingParams.from_dict(params), use_tqdm=False)
+        return [(c.text, c.finish_reason, len(c.token_ids))
+                for c in sorted(out.outputs, key=lambda c: c.index)]
+
+    return run
+
+
+def sse(gateway: GatewayProcess, body: dict[str, Any],
+        headers: dict[str, str] | None = None) -> list[tuple[str | None, Any]]:
+    """(event id, data) for each server-sent event of a streamed completion."""
+    events: list[tuple[str | None, Any]] = []
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json={**body, "stream": True},
+                      headers=headers or {}, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        event_id = None
+        for line in resp.iter_lines():
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                data = line[6:]
+                events.append((event_id, data if data == "[DONE]" else json.loads(data)))
+                event_id = None
+    return events
+
+
+def test_models_lists_the_served_name_of_each_live_worker(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_greedy_completion_equals_the_offline_engine(client: openai.OpenAI,
+                                                     offline: Oracle) -> None:
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    [(text, reason, num_tokens)] = offline(PROMPT, {"max_tokens": 8, "temperature": 0})
+    assert [(c.index, c.text, c.finish_reason) for c in resp.choices] == [(0, text, reason)]
+    assert resp.usage is not None and resp.usage.completion_tokens == num_tokens
+    assert resp.object == "text_completion" and resp.model == "tiny"
+
+
+def test_streamed_completion_concatenates_to_the_offline_text(client: openai.OpenAI,
+                                                              offline: Oracle) -> None:
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    [(text, reason, num_tokens)] = offline(PROMPT, {"max_tokens": 8, "temperature": 0})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == num_tokens
+
+
+def test_seeded_n3_choices_equal_the_offline_engine_streamed_or_not(client: openai.OpenAI,
+                                                                    offline: Oracle) -> None:
+    params = {"n": 3, "temperature": 0.9, "seed": 7, "max_tokens": 6}
+    expected = [(i, text, reason) for i, (text, reason, _) in enumerate(offline(PROMPT, params))]
+    resp = client.completions.create(model="tiny", prompt=PROMPT, **params)
+    assert [(c.index, c.text, c.finish_reason) for c in resp.choices] == expected
+    again = client.completions.create(model="tiny", prompt=PROMPT, **params)
+    assert [c.text for c in again.choices] == [c.text for c in resp.choices]
+
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    for chunk in client.completions.create(model="tiny", prompt=PROMPT, stream=True, **params):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert [(i, texts[i], reasons[i]) for i in sorted(texts)] == expected
+
+
+def test_stop_string_ends_the_text_where_the_offline_engine_does(client: openai.OpenAI,
+                                                                 offline: Oracle) -> None:
+    [(full, _, _)] = offline(PROMPT, {"max_tokens": 12, "temperature": 0})
+    stop = full.strip()[len(full.strip()) // 2]  # a character the greedy text does reach
+    [(text, reason, _)] = offline(PROMPT, {"max_tokens": 12, "temperature": 0, "stop": [stop]})
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                     stop=[stop])
+    assert (resp.choices[0].text, resp.choices[0].finish_reason) == (text, reason)
+    assert reason == "stop" and stop not in text
+
+
+def test_several_prompts_give_n_choices_each_in_prompt_order(client: openai.OpenAI,
+                                                             offline: Oracle) -> None:
+    prompts = [PROMPT, "the quick brown fox"]
+    params = {"n": 2, "temperature": 0.8, "seed": 3, "max_tokens": 4}
+    resp = client.completions.create(model="tiny", prompt=prompts, **params)
+    expected = [text for p in prompts for text, _, _ in offline(p, params)]
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert [c.text for c in resp.choices] == expected
+
+
+def test_extra_body_params_reach_the_engine(client: openai.OpenAI, offline: Oracle) -> None:
+    params = {"max_tokens": 8, "temperature": 0, "repetition_penalty": 1.3, "min_tokens": 8}
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"repetition_penalty": 1.3, "min_tokens": 8})
+    assert resp.choices[0].text == offline(PROMPT, params)[0][0]
+
+
+def test_sse_event_ids_are_reply_entry_ids_and_last_event_id_resumes(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
+    server, gateway = fleet
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    headers = {"Genq-Job-Id": "resume-1"}
+    events = sse(gateway, body, headers)
+    assert events[-1] == (None, "[DONE]")
+    entry_ids = [eid.decode() for eid, _ in server.client().xrange("genq:reply:resume-1")]
+    token_ids = [eid for eid, data in events if data != "[DONE]"]
+    assert set(token_ids) <= set(entry_ids) and token_ids == sorted(token_ids, key=entry_key)
+
+    cut = token_ids[2]
+    resumed = sse(gateway, body, {**headers, "Last-Event-ID": cut})
+    assert resumed == [e for e in events if e[0] is None or entry_key(e[0]) > entry_key(cut)]
+    # The second request found the job id taken: the job ran once.
+    assert [e["type"] for e in reply_events(server, "resume-1")].count("started") == 1
+
+
+def entry_key(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+def test_a_client_that_disconnects_cancels_its_job(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
+    from producer import Client, JobError
+
+    server, gateway = fleet
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body,
+                      headers={"Genq-Job-Id": "gone-1"}, timeout=60) as resp:
+        assert resp.status_code == 200
+        next(resp.iter_lines())  # the first token arrived; now hang up
+    with Client(server.url) as genq, pytest.raises(JobError) as err:
+        genq.job("gone-1").result(timeout=30)
+    assert err.value.code == "cancelled"
+
+
+def test_openai_errors_have_the_right_status_and_shape(
+        fleet: tuple[RedisServer, GatewayProcess], client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+    assert not_found.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt=PROMPT, top_p=3.0)
+    assert bad.value.param == "top_p"
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.completions.create(model="tiny", prompt=PROMPT, extra_body={"mirostat": 1})
+    assert unknown.value.param == "mirostat"
+    with pytest.raises(openai.BadRequestError) as worker_side:  # judged by the engine
+        client.completions.create(model="tiny", prompt=PROMPT, extra_body={"top_k": -5})
+    assert worker_side.value.code == "invalid_params"
+    resp = httpx.post(f"{fleet[1].url}/v1/completions", json={"model": "tiny"}, timeout=30)
+    assert resp.status_code == 400
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_queue_without_live_workers_is_503(fleet: tuple[RedisServer, GatewayProcess],
+                                             client: openai.OpenAI) -> None:
+    from producer import Client
+
+    server, _ = fleet
+    with Client(server.url) as genq:  # a model whose workers are all gone: its queue remains
+        genq.submit(PROMPT, {"max_tokens": 1}, model="orphan")
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model="orphan", prompt=PROMPT, max_tokens=2)
+    assert err.value.status_code == 503 and err.value.code == "no_worker"
+
+
+def test_queue_at_its_depth_is_429_and_a_passed_deadline_is_504(
+        fleet: tuple[RedisServer, GatewayProcess], tmp_path: Path) -> None:
+    from producer import Client
+
+    server, _ = fleet
+    strict = GatewayProcess(server.url, tmp_path / "strict.log", "--max-queue-depth", "1",
+                            "--timeout", "0.001")
+    try:
+        api = strict.openai()
+        with Client(server.url) as genq:
+            long_job = genq.submit(PROMPT, {"max_tokens": 400, "ignore_eos": True,
+                                            "temperature": 0}, model="tiny")
+            with pytest.raises(openai.RateLimitError) as full:
+                api.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+            assert full.value.code == "queue_full"
+            long_job.cancel()
+            wait_for(lambda: server.client().xinfo_groups("genq:jobs:tiny")[0]["pending"] == 0,
+                     timeout=30, what="the long job to end")
+        time.sleep(0.01)
+        with pytest.raises(openai.APIStatusError) as late:
+            api.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        assert (late.value.status_code, late.value.code) == (504, "deadline_exceeded")
+    finally:
+        strict.stop()
+
+
+def test_chat_completions_answer_501_until_jobs_carry_messages(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert (err.value.status_code, err.value.code) == (501, "not_implemented")
