@@ -3,13 +3,16 @@ offline LLM.generate oracle on the same tiny model."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from producer import Client, Job
-from producer.protocol import Keys
+from producer.protocol import Keys, decode_heartbeat
 from tests.fleet.harness import (
     Expected,
     RedisServer,
@@ -209,3 +212,42 @@ def test_a_restarted_worker_rereads_its_own_pending_jobs_first(
     assert [as_expected(r) for r in results] == expected_for(offline, prompts, params)
     assert [r["attempt"] for r in results] == [2, 2, 2, 2]
     assert again.alive()
+
+
+def test_a_paused_worker_whose_jobs_were_reclaimed_never_writes_to_them_again(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
+        offline: Oracle) -> None:
+    paused = workers.start(redis_server.url, tiny_llama, "w1", "--max-num-seqs", "8")
+    other = workers.start(redis_server.url, tiny_llama, "w2", "--max-num-seqs", "8")
+    wait_heartbeats(redis_server, [paused, other])
+    prompts = corpus(12, seed=13)
+    params = [mixed_params(i, 200, ignore_eos=True) for i in range(12)]
+    client = Client(redis_server.url)
+    jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
+    wait_for(lambda: pending_of(redis_server, "w1") >= 3, timeout=60, interval=0.01,
+             what="w1 holding jobs")
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        held = wait_for(lambda: [j for j in jobs if any(
+            e["type"] == "started" and e["worker"] == "w1" for e in reply_events(redis_server,
+                                                                               j.id))],
+            what="w1's jobs")
+        # While w1 sleeps only w2 can change w1's pending list: empty means all were claimed.
+        wait_for(lambda: pending_of(redis_server, "w1") == 0, timeout=60,
+                 what="w2 reclaiming w1's jobs")
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)
+    results = [job.result(timeout=300) for job in jobs]
+    assert [as_expected(r) for r in results] == expected_for(offline, prompts, params)
+    time.sleep(1.0)  # give the woken worker every chance to write what it still had
+    for job in held:
+        raw = reply_events(redis_server, job.id)
+        attempts = [e["attempt"] for e in raw]
+        assert attempts == sorted(attempts), job.id  # nothing of attempt 1 after attempt 2
+        assert sum(e["type"] in ("done", "error") for e in raw) == 1
+        assert raw[-1]["type"] == "done" and raw[-1]["attempt"] == 2
+    assert paused.alive()
+    conn = redis_server.client()
+    hb = wait_for(lambda: (v := conn.get(Keys().worker("w1"))) and decode_heartbeat(v),
+                  what="w1's heartbeat after waking")
+    assert hb["lost"] >= 1
