@@ -300,3 +300,11 @@ def test_chat_completions_answer_501_until_jobs_carry_messages(client: openai.Op
     with pytest.raises(openai.APIStatusError) as err:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert (err.value.status_code, err.value.code) == (501, "not_implemented")
+
+
+def test_gateway_and_celery_bridge_import_no_torch_cupy_or_engine() -> None:
+    code = ("import sys, producer.gateway, producer.celery_bridge; "
+            "print(sorted(m for m in ('torch', 'cupy', 'engine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    assert out.stdout.strip() == "[]"

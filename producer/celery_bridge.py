@@ -1,0 +1,100 @@
+"""`genq celery-bridge`: Celery apps submit genq jobs without knowing genq.
+
+    genq celery-bridge --broker redis://127.0.0.1:6379/0 --redis redis://127.0.0.1:6379/0
+
+An app on Celery with a Redis broker calls
+
+    result = app.send_task("genq.generate",
+                           kwargs={"prompt": "def main(", "model": "tiny", "params": {...}})
+    result.get()  # the same dict as Job.result(); a failed job raises with the job's message
+
+The bridge is a Celery worker (thread pool) whose one task, `genq.generate`, submits the job to
+genq and waits for its result, which Celery writes into its result backend. The genq job id is the
+Celery task id, so a task redelivered after a bridge crash (acks are late) attaches to the job
+that is already running instead of running it twice. Only json and msgpack are accepted: never
+pickle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+
+from producer.client import Client, JobError
+from producer.protocol import DEFAULT_PREFIX, ProtocolError
+
+TASK_NAME = "genq.generate"
+ACCEPT_CONTENT = ["json", "msgpack"]
+
+
+class GenqJobFailed(Exception):
+    """A genq job ended with an error (or could not be submitted); the message says why."""
+
+
+def create_app(broker: str, redis_url: str, *, backend: str | None = None,
+               queue: str = "celery", prefix: str = DEFAULT_PREFIX, timeout: float = 600.0,
+               result_serializer: str = "json") -> Celery:
+    """The bridge's Celery app. Apps read results with their `result_serializer`, which must be
+    this one (Celery's Redis backend stores no content type)."""
+    if result_serializer not in ACCEPT_CONTENT:
+        raise ValueError(f"result serializer must be one of {ACCEPT_CONTENT}, "
+                         f"got {result_serializer!r}")
+    app = Celery("genq_bridge", broker=broker, backend=backend or broker)
+    app.conf.update(
+        task_serializer="json", result_serializer=result_serializer,
+        accept_content=ACCEPT_CONTENT,
+        result_accept_content=ACCEPT_CONTENT, task_default_queue=queue,
+        task_acks_late=True, worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True, result_extended=False)
+    client = Client(redis_url, prefix=prefix)
+
+    @app.task(name=TASK_NAME, bind=True)  # type: ignore[untyped-decorator]
+    def generate(self: Any, prompt: str | Sequence[int], model: str,
+                 params: dict[str, Any] | None = None, job_id: str | None = None,
+                 deadline: float | None = None) -> dict[str, Any]:
+        try:
+            job = client.submit(prompt, params or {}, model=model,
+                                job_id=job_id or self.request.id, deadline=deadline,
+                                stream=False)
+            return job.result(timeout=timeout)
+        except JobError as exc:
+            raise GenqJobFailed(str(exc)) from None
+        except ProtocolError as exc:
+            raise GenqJobFailed(f"job rejected ({exc.code}): {exc.message}") from None
+        except TimeoutError as exc:
+            raise GenqJobFailed(str(exc)) from None
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="genq celery-bridge", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--broker", required=True, help="Celery broker URL (redis://...)")
+    p.add_argument("--backend", default=None,
+                   help="Celery result backend URL (default: the broker URL)")
+    p.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"),
+                   help="genq's Redis URL (env GENQ_REDIS)")
+    p.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX))
+    p.add_argument("--queue", default="celery", help="the Celery queue to consume")
+    p.add_argument("--concurrency", type=int, default=64,
+                   help="jobs in flight (threads, each waiting on one job)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for one job's result")
+    p.add_argument("--result-serializer", default="json", choices=ACCEPT_CONTENT,
+                   help="how results are written; apps must read them the same way")
+    p.add_argument("--loglevel", default="INFO")
+    args = p.parse_args(argv)
+    if args.concurrency < 1:
+        p.error("--concurrency must be at least 1")
+    app = create_app(args.broker, args.redis, backend=args.backend, queue=args.queue,
+                     prefix=args.prefix, timeout=args.timeout,
+                     result_serializer=args.result_serializer)
+    app.worker_main(["worker", "--pool", "threads", "--concurrency", str(args.concurrency),
+                     "--queues", args.queue, "--loglevel", args.loglevel, "--without-gossip",
+                     "--without-mingle", "--hostname", f"genq-bridge@{os.uname().nodename}"])
+    return 0

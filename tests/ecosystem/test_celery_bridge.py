@@ -1,0 +1,129 @@
+"""`genq celery-bridge`: a real Celery app (Redis broker and result backend, json or msgpack,
+never pickle) calls genq.generate on the same redis-server a live genq worker serves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+from tests.fleet.harness import RedisServer, WorkerFactory, wait_for, wait_heartbeats
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "hello world"
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("celery")
+    server = RedisServer(tmp)
+    server.start()
+    workers = WorkerFactory(tmp)
+    log = tmp / "bridge.log"
+    bridge = None
+    try:
+        worker = workers.start(server.url, tiny_llama, "celery-worker")
+        with open(log, "wb") as out:
+            bridge = subprocess.Popen(
+                [sys.executable, "-m", "producer.cli", "celery-bridge", "--broker", server.url,
+                 "--redis", server.url, "--concurrency", "8", "--loglevel", "WARNING"],
+                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+                stderr=subprocess.STDOUT)
+        wait_heartbeats(server, [worker])
+        conn = server.client()  # the bridge is up when its consumer has subscribed to the queue
+        wait_for(lambda: bridge.poll() is None and conn.exists("_kombu.binding.celery"),
+                 timeout=60, what=f"the bridge:\n{log.read_text(errors='replace')}")
+        yield server.url
+    finally:
+        if bridge is not None:
+            bridge.send_signal(signal.SIGTERM)
+            try:
+                bridge.wait(15)
+            except subprocess.TimeoutExpired:
+                bridge.kill()
+                bridge.wait()
+        workers.stop_all()
+        server.kill()
+
+
+def celery_app(url: str, serializer: str) -> Celery:
+    """An app sending its tasks in `serializer`; results come back in the bridge's (json)."""
+    app = Celery("app", broker=url, backend=url)
+    app.conf.update(task_serializer=serializer, accept_content=["json", "msgpack"],
+                    result_accept_content=["json", "msgpack"])
+    return app
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path) -> Any:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=256, swap_space=0.01,
+              num_threads=1)
+
+    def run(prompt: str | list[int], params: dict[str, Any]) -> list[tuple[list[int], str]]:
+        [out] = llm.generate([prompt], SamplingParams.from_dict(params), use_tqdm=False)
+        return [(list(c.token_ids), c.text) for c in sorted(out.outputs, key=lambda c: c.index)]
+
+    return run
+
+
+@pytest.mark.parametrize("serializer", ["json", "msgpack"])
+def test_get_returns_the_same_dict_as_job_result(redis_url: str, serializer: str,
+                                                 offline: Any) -> None:
+    from producer import Client
+
+    params = {"temperature": 0, "max_tokens": 8}
+    result = celery_app(redis_url, serializer).send_task(
+        "genq.generate", kwargs={"prompt": PROMPT, "model": "tiny", "params": params})
+    got = result.get(timeout=60)
+    with Client(redis_url) as genq:  # the genq job id is the Celery task id
+        assert got == genq.job(result.id).result(timeout=5)
+    assert [(o["token_ids"], o["text"]) for o in got["outputs"]] == offline(PROMPT, params)
+
+
+def test_token_id_prompts_and_seeded_n2_jobs_in_parallel_equal_the_offline_engine(
+        redis_url: str, offline: Any) -> None:
+    app = celery_app(redis_url, "json")
+    cases: list[tuple[str | list[int], dict[str, Any]]] = [
+        ([5, 6, 7, 8], {"temperature": 0, "max_tokens": 6}),
+        *[(PROMPT, {"n": 2, "temperature": 0.8, "seed": s, "max_tokens": 5}) for s in range(6)],
+    ]
+    results = [app.send_task("genq.generate",
+                             kwargs={"prompt": prompt, "model": "tiny", "params": params})
+               for prompt, params in cases]
+    for (prompt, params), result in zip(cases, results, strict=True):
+        got = result.get(timeout=120)
+        assert [(o["token_ids"], o["text"]) for o in got["outputs"]] == offline(prompt, params)
+
+
+def test_a_failed_job_raises_in_get_with_the_jobs_message(redis_url: str) -> None:
+    app = celery_app(redis_url, "json")
+    result = app.send_task("genq.generate",
+                           kwargs={"prompt": PROMPT, "model": "tiny", "params": {"top_k": -5}})
+    with pytest.raises(Exception, match="top_k must be -1 \\(disable\\) or at least 1, got -5"):
+        result.get(timeout=60)
+    assert result.state == "FAILURE"
+
+    rejected = app.send_task("genq.generate",
+                             kwargs={"prompt": PROMPT, "model": "tiny", "params": {"foo": 1}})
+    with pytest.raises(Exception, match="unknown sampling parameter\\(s\\): foo"):
+        rejected.get(timeout=60)
+
+
+def test_the_bridge_refuses_pickled_tasks(redis_url: str) -> None:
+    app = Celery("app", broker=redis_url, backend=redis_url)
+    app.conf.update(task_serializer="pickle", accept_content=["pickle", "json"],
+                    result_accept_content=["json", "msgpack"])
+    result = app.send_task("genq.generate", kwargs={"prompt": PROMPT, "model": "tiny"})
+    with pytest.raises(CeleryTimeoutError):  # refused unread: no result ever comes
+        result.get(timeout=3)
+    assert result.state == "PENDING"
