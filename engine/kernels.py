@@ -263,6 +263,7 @@ def _cupy_arg(cupy: Any, arg: KernelArg) -> Any:
         return np.uint64(arg.data_ptr())
     if arg.numel() == 0:
         return np.uint64(0)
+    arg = arg.detach()  # DLPack refuses tensors that require grad
     if arg.element_size() == 2:  # CuPy has no bfloat16: hand the bits over as int16
         arg = arg.view(torch.int16)
     return cupy.from_dlpack(arg)
