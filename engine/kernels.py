@@ -243,7 +243,10 @@ def _cupy() -> Any:
 
 
 @functools.cache
-def _module(dtype: torch.dtype, head_size: int, block_size: int, device_index: int) -> Any:
+def compiled_module(dtype: torch.dtype, head_size: int, block_size: int,
+                    device_index: int) -> Any:
+    """The CuPy RawModule of one variant, compiled by NVRTC on first use (CuPy also keeps the
+    binary in its on-disk cache, so other processes reuse it)."""
     cupy = _cupy()
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=module_source(), options=compile_options(),
@@ -275,7 +278,7 @@ def run_launches(launches: list[Launch]) -> None:
     for launch in launches:
         device = next(a.device for a in launch.args
                       if isinstance(a, torch.Tensor) and a.device.type == "cuda")
-        kernel = _module(*launch.variant, device.index).get_function(launch.kernel)
+        kernel = compiled_module(*launch.variant, device.index).get_function(launch.kernel)
         stream = torch.cuda.current_stream(device)
         # Inside the stream context, DLPack's stream hand-shake sees torch's own stream: no sync.
         with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream,
