@@ -198,9 +198,10 @@ def sse_payloads(event: dict[str, Any], response_id: str,
         started.add(event["index"])
         return [oa.chunk(response_id, req.model, created, event["index"], event["text"], None,
                          chat, first)]
-    if kind == "done":
-        out = [oa.chunk(response_id, req.model, created, o["index"], None, o["finish_reason"],
-                        chat, o["index"] not in started) for o in event["outputs"]]
+    if kind == "done":  # a sequence never streamed (beam search, best_of > n) comes whole
+        out = [oa.chunk(response_id, req.model, created, o["index"],
+                        None if o["index"] in started else o["text"], o["finish_reason"], chat,
+                        o["index"] not in started) for o in event["outputs"]]
         if req.include_usage:
             u = event["usage"]
             out.append(oa.usage_chunk(response_id, req.model, created,

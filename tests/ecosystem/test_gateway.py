@@ -228,7 +228,7 @@ def test_a_client_that_disconnects_cancels_its_job(
     from producer import Client, JobError
 
     server, gateway = fleet
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body,
                       headers={"Genq-Job-Id": "gone-1"}, timeout=60) as resp:
@@ -308,3 +308,27 @@ def test_gateway_and_celery_bridge_import_no_torch_cupy_or_engine() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_best_of_streams_the_chosen_text_whole_at_the_end(client: openai.OpenAI,
+                                                          offline: Oracle) -> None:
+    params = {"n": 1, "best_of": 3, "temperature": 0.8, "seed": 11, "max_tokens": 5}
+    [(text, reason, _)] = offline(PROMPT, params)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True, **params))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == reason
+
+
+def test_a_client_that_hangs_up_on_a_plain_request_cancels_its_job(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
+    from producer import Client, JobError
+
+    server, gateway = fleet
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway.url}/v1/completions", json=body,
+                   headers={"Genq-Job-Id": "gone-2"}, timeout=0.3)
+    with Client(server.url) as genq, pytest.raises(JobError) as err:
+        genq.job("gone-2").result(timeout=30)
+    assert err.value.code == "cancelled"
