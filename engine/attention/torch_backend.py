@@ -1,8 +1,9 @@
 """Paged attention in plain torch: the CPU path and the reference for the CUDA kernels.
 
-Decode sequences (one query each) run as one batch: their keys and values are gathered through
-the block table into a padded [batch, context] view, grouped by context length so short
-sequences do not pay for the longest one. Prefill chunks run one sequence at a time with a
+Decode sequences (one query each) run as one batch: on the CPU in float32 through a small C++
+kernel that reads the cache in place (cpu_kernels.py); otherwise their keys and values are
+gathered through the block table into a padded [batch, context] view, grouped by context length
+so short sequences do not pay for the longest one. Prefill chunks run one sequence at a time with a
 causal mask offset by the cached context.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 _BUCKET_RATIO = 1.5  # a decode bucket's longest context is at most this times its shortest
@@ -31,7 +33,10 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(query)
         nd = meta.num_decode_seqs
-        if nd:
+        if nd and cpu_kernels.supports(query, key_cache):
+            out[:nd] = cpu_kernels.paged_decode(query[:nd].contiguous(), key_cache, value_cache,
+                                                meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        elif nd:
             for lo, hi in _buckets(meta.seq_lens_list[:nd]):
                 out[lo:hi] = self._decode(query[lo:hi], key_cache, value_cache,
                                           meta.block_tables[lo:hi], meta.seq_lens[lo:hi],

@@ -1,0 +1,44 @@
+"""The CPU decode kernel equals the torch paged-attention path, and never reads stale tails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import cpu_kernels
+from engine.attention.torch_backend import TorchAttentionBackend
+
+
+def _case(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    batch, max_len, num_blocks = 9, 70, 80
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g)
+    lens = torch.randint(1, max_len, (batch,), generator=g, dtype=torch.int32).sort().values
+    width = -(-max_len // block_size)
+    tables = torch.randperm(num_blocks, generator=g)[: batch * width].view(batch, width)
+    q = torch.randn(batch, num_heads, head_size, generator=g)
+    return q, k, v, tables.to(torch.int32), lens
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_kernel_equals_torch_reference(heads, head_size, block_size):
+    q, k, v, tables, lens = _case(*heads, head_size, block_size, seed=head_size + block_size)
+    assert cpu_kernels.supports(q, k)
+    ref = TorchAttentionBackend._decode(q, k, v, tables, lens, int(lens.max()), 0.125)
+    out = cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_nan_in_the_stale_tail_of_the_last_block_does_not_leak():
+    q, k, v, tables, lens = _case(8, 2, 64, 16, seed=3)
+    clean = cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
+    for b, n in enumerate(lens.tolist()):
+        last = tables[b, (n - 1) // 16]
+        k[last, n % 16 or 16:] = float("nan") if n % 16 else k[last, 16:]
+        v[last, n % 16 or 16:] = float("nan") if n % 16 else v[last, 16:]
+    poisoned = cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
+    assert not poisoned.isnan().any()
+    assert torch.equal(poisoned, clean)
