@@ -38,11 +38,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producer import openai_schema as oa
-from producer.async_client import AsyncClient
 from producer.client import make_job_spec
-from producer.gateway_fleet import FleetView, JobReader, error_status
+from producer.gateway_fleet import FleetView, GatewayRedis, JobReader, error_status
 from producer.openai_schema import GatewayError
-from producer.protocol import DEFAULT_PREFIX, Limits, ProtocolError, check_limits, validate_name
+from producer.protocol import DEFAULT_PREFIX, Keys, Limits, ProtocolError, check_limits
 
 T = TypeVar("T")
 JOB_ID_HEADER = "Genq-Job-Id"
@@ -55,6 +54,7 @@ class GatewayConfig:
     max_queue_depth: int = 1024  # per model: waiting + running jobs at or over this -> 429
     timeout_s: float = 600.0  # each job's deadline is now + timeout_s; past it -> 504
     resume_grace_s: float = 2.0  # a disconnected stream's job is cancelled after this
+    max_connections: int = 1024  # Redis connections for reply reads (more requests wait)
     limits: Limits = Limits()
 
     def __post_init__(self) -> None:
@@ -62,6 +62,8 @@ class GatewayConfig:
             raise ValueError(f"--max-queue-depth must be at least 1, got {self.max_queue_depth}")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.resume_grace_s < 0:
             raise ValueError(f"--resume-grace must be >= 0, got {self.resume_grace_s}")
 
@@ -73,8 +75,9 @@ class ClientGone(Exception):
 class Gateway:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
-        self.client = AsyncClient(cfg.redis_url, prefix=cfg.prefix)
-        self.fleet = FleetView(self.client.redis, self.client.keys)
+        self.keys = Keys(cfg.prefix)
+        self.redis = GatewayRedis(cfg.redis_url, self.keys, cfg.max_connections)
+        self.fleet = FleetView(self.redis.conn, self.keys)
         self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -90,13 +93,11 @@ class Gateway:
         for job_id, prompt in zip(ids, prompts, strict=True):
             self._keep(job_id)
             try:
-                validate_name(job_id)
-                check_limits(make_job_spec(prompt, params, model, job_id, deadline, True),
-                             self.cfg.limits)
-                await self.client.submit(prompt, params, model=model, job_id=job_id,
-                                         deadline=deadline)
+                spec = make_job_spec(prompt, params, model, job_id, deadline, True)
+                check_limits(spec, self.cfg.limits)
             except ProtocolError as exc:
                 raise GatewayError(400, exc.message, code=exc.code) from None
+            await self.redis.submit(spec)
         return ids
 
     def _keep(self, job_id: str) -> None:
@@ -114,13 +115,13 @@ class Gateway:
 
     def _cancel_now(self, job_id: str) -> None:
         self._pending_cancels.pop(job_id, None)
-        task = asyncio.get_running_loop().create_task(self.client.cancel(job_id))
+        task = asyncio.get_running_loop().create_task(self.redis.cancel(job_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def reader(self, job_id: str, after: str | None = None) -> JobReader:
-        return JobReader(self.client.blocking_redis, self.client.keys.reply(job_id), job_id,
-                         after, self.cfg.timeout_s + 30)
+        return JobReader(self.redis.blocking_conn, self.keys.reply(job_id), job_id, after,
+                         self.cfg.timeout_s + 30)
 
     # ------------------------------------------------------------------ answers
 
@@ -156,7 +157,8 @@ class Gateway:
     async def _stream(self, request: Request,
                       req: oa.CompletionRequest | oa.ChatCompletionRequest, job_id: str,
                       response_id: str, chat: bool, headers: dict[str, str]) -> Response:
-        events = self.reader(job_id, after=request.headers.get("last-event-id")).events()
+        reader = self.reader(job_id, after=request.headers.get("last-event-id"))
+        events = reader.events()
         try:  # the first event decides the status: a job the worker rejects is a 4xx/5xx
             first = await watch_disconnect(request, anext_or_none(events))
         except ClientGone:
@@ -166,7 +168,8 @@ class Gateway:
         if first is not None and first[1]["type"] == "error":
             await events.aclose()
             raise error_status(first[1])
-        created = int(time.time())
+        # From the reply stream's clock, so a resumed stream's chunks match the first ones.
+        created = reader.created or int(time.time())
 
         async def body() -> AsyncIterator[str]:
             finished = False
@@ -248,7 +251,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await gateway.client.close()
+        await gateway.redis.close()
 
     app = FastAPI(title="genq gateway", version="1", lifespan=lifespan)
     app.state.gateway = gateway
@@ -303,12 +306,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a job may take from submit to its end (then 504)")
     p.add_argument("--resume-grace", type=float, default=GatewayConfig.resume_grace_s,
                    help="seconds a cut stream's job waits for a resume before it is cancelled")
+    p.add_argument("--max-connections", type=int, default=GatewayConfig.max_connections,
+                   help="Redis connections for reading replies; further requests wait")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     try:
         cfg = GatewayConfig(redis_url=args.redis, prefix=args.prefix,
                             max_queue_depth=args.max_queue_depth, timeout_s=args.timeout,
-                            resume_grace_s=args.resume_grace)
+                            resume_grace_s=args.resume_grace,
+                            max_connections=args.max_connections)
     except ValueError as exc:
         p.error(str(exc))
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level)

@@ -1,5 +1,11 @@
-"""What the gateway reads from Redis: which models live workers serve, how deep their queues are,
-and one job's reply stream with the entry ids that become server-sent event ids."""
+"""The gateway's side of Redis: its connections, submitting and cancelling jobs, which models live
+workers serve, how deep their queues are, and one job's reply stream with the entry ids that
+become server-sent event ids.
+
+Connections come from bounded *blocking* pools: with more requests in flight than connections,
+a request waits for a free one instead of failing (redis-py's default asyncio pool raises
+MaxConnectionsError past 100).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,24 @@ from redis import ConnectionError as RedisConnectionError
 from redis import ResponseError
 from redis import TimeoutError as RedisTimeoutError
 
-from producer.client import BLOCK_MS
+from producer.client import (
+    BLOCK_MS,
+    DEFAULT_CANCEL_TTL,
+    DEFAULT_IDEMPOTENCY_TTL,
+    DEFAULT_STREAM_TTL,
+)
 from producer.openai_schema import GatewayError
-from producer.protocol import REPLY_FIELD, Keys, ProtocolError, decode_event, decode_heartbeat
+from producer.protocol import (
+    PROTOCOL_VERSION,
+    REPLY_FIELD,
+    SUBMIT_LUA,
+    JobSpec,
+    Keys,
+    ProtocolError,
+    decode_event,
+    decode_heartbeat,
+    encode_job_entry,
+)
 from producer.replies import ReplyDeduper
 
 # A job's error code -> (HTTP status, OpenAI error type).
@@ -32,6 +53,39 @@ def error_status(event: dict[str, Any]) -> GatewayError:
     """An error event as an OpenAI error: bad input is a 400 unless the code says otherwise."""
     status, type_ = _ERROR_STATUS.get(event["code"], (400, "invalid_request_error"))
     return GatewayError(status, event["message"], type_=type_, code=event["code"])
+
+
+class GatewayRedis:
+    """Commands on one pool, blocking reply reads (XREAD BLOCK) on another."""
+
+    def __init__(self, url: str, keys: Keys, max_connections: int) -> None:
+        self.keys = keys
+        self.conn = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max(8, max_connections // 8), timeout=None, protocol=2,
+            socket_timeout=5.0, socket_connect_timeout=5.0))
+        self.blocking_conn = aioredis.Redis(
+            connection_pool=aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=None, protocol=2,
+                socket_timeout=BLOCK_MS / 1000 + 10, socket_connect_timeout=5.0))
+        self._submit_script = self.conn.register_script(SUBMIT_LUA)
+
+    async def submit(self, spec: JobSpec) -> bool:
+        """Enqueue a checked job once per id (Client.submit's recipe); False: the id existed."""
+        entry = encode_job_entry(spec)
+        entry_id = await self._submit_script(
+            keys=[self.keys.idem(spec.id), self.keys.jobs(spec.model)],
+            args=[DEFAULT_IDEMPOTENCY_TTL, PROTOCOL_VERSION, entry["job"], DEFAULT_STREAM_TTL])
+        return entry_id is not None
+
+    async def cancel(self, job_id: str) -> None:
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.set(self.keys.cancel(job_id), 1, ex=DEFAULT_CANCEL_TTL)
+        pipe.publish(self.keys.cancel_channel, job_id)
+        await pipe.execute()
+
+    async def close(self) -> None:
+        await self.conn.aclose()
+        await self.blocking_conn.aclose()
 
 
 class FleetView:
@@ -115,6 +169,7 @@ class JobReader:
         self.job_id = job_id
         self.after = _entry_key(after) if after else None
         self.timeout_s = timeout_s
+        self.created: int | None = None  # epoch seconds of the first reply entry (its id's clock)
 
     async def events(self) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         dedupe = ReplyDeduper()
@@ -129,6 +184,8 @@ class JobReader:
             for _key, entries in resp or []:
                 for raw_id, fields in entries:
                     last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+                    if self.created is None:
+                        self.created = _entry_key(last)[0] // 1000
                     out = dedupe.feed(decode_event(fields[REPLY_FIELD.encode()]))
                     if self.after is None or _entry_key(last) > self.after:
                         for event in out:

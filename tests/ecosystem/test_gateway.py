@@ -6,6 +6,7 @@ greedy and seeded jobs are deterministic, whichever worker runs them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -223,20 +224,38 @@ def entry_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
-def test_a_client_that_disconnects_cancels_its_job(
-        fleet: tuple[RedisServer, GatewayProcess]) -> None:
-    from producer import Client, JobError
+def cancels_published(server: RedisServer, job_id: str, hang_up: Callable[[], None]) -> None:
+    """Run hang_up; then the gateway must publish a cancel of job_id and set its cancel key
+    (what a worker acts on: tests/fleet holds that it aborts the job and frees its blocks)."""
+    pubsub = server.client().pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("genq:cancel")
+    try:
+        hang_up()
+        end = time.monotonic() + 10
+        seen: list[bytes] = []
+        while job_id.encode() not in seen and time.monotonic() < end:
+            message = pubsub.get_message(timeout=0.5)
+            if message is not None:
+                seen.append(message["data"])
+        assert job_id.encode() in seen
+        assert server.client().exists(f"genq:cancel:{job_id}") == 1
+    finally:
+        pubsub.close()
 
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_job(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
     server, gateway = fleet
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body,
-                      headers={"Genq-Job-Id": "gone-1"}, timeout=60) as resp:
-        assert resp.status_code == 200
-        next(resp.iter_lines())  # the first token arrived; now hang up
-    with Client(server.url) as genq, pytest.raises(JobError) as err:
-        genq.job("gone-1").result(timeout=30)
-    assert err.value.code == "cancelled"
+
+    def hang_up() -> None:
+        with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body,
+                          headers={"Genq-Job-Id": "gone-1"}, timeout=60) as resp:
+            assert resp.status_code == 200
+            next(resp.iter_lines())  # the first token arrived; now hang up
+
+    cancels_published(server, "gone-1", hang_up)
 
 
 def test_openai_errors_have_the_right_status_and_shape(
@@ -321,14 +340,38 @@ def test_best_of_streams_the_chosen_text_whole_at_the_end(client: openai.OpenAI,
 
 def test_a_client_that_hangs_up_on_a_plain_request_cancels_its_job(
         fleet: tuple[RedisServer, GatewayProcess]) -> None:
-    from producer import Client, JobError
-
     server, gateway = fleet
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "temperature": 0,
             "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{gateway.url}/v1/completions", json=body,
-                   headers={"Genq-Job-Id": "gone-2"}, timeout=0.3)
-    with Client(server.url) as genq, pytest.raises(JobError) as err:
-        genq.job("gone-2").result(timeout=30)
-    assert err.value.code == "cancelled"
+
+    def hang_up() -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{gateway.url}/v1/completions", json=body,
+                       headers={"Genq-Job-Id": "gone-2"}, timeout=0.3)
+
+    cancels_published(server, "gone-2", hang_up)
+
+
+def test_more_concurrent_requests_than_redis_connections_all_succeed(
+        fleet: tuple[RedisServer, GatewayProcess], tmp_path: Path, offline: Oracle) -> None:
+    server, _ = fleet
+    narrow = GatewayProcess(server.url, tmp_path / "narrow.log", "--max-connections", "8")
+    prompts = [f"{PROMPT} {k}" for k in range(6)]
+    expected = {p: offline(p, {"max_tokens": 2, "temperature": 0})[0][0] for p in prompts}
+
+    async def run_all() -> list[tuple[str, int, Any]]:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(base_url=narrow.url, timeout=120, limits=limits) as http:
+            async def one(k: int) -> tuple[str, int, Any]:
+                prompt = prompts[k % len(prompts)]
+                resp = await http.post("/v1/completions", json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                return prompt, resp.status_code, resp.json()
+            return await asyncio.gather(*(one(k) for k in range(240)))
+
+    try:
+        answers = asyncio.run(run_all())
+    finally:
+        narrow.stop()
+    assert [status for _, status, _ in answers] == [200] * 240
+    assert all(body["choices"][0]["text"] == expected[p] for p, _, body in answers)
