@@ -11,7 +11,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 
 def _case(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    batch, max_len, num_blocks = 9, 70, 80
+    batch, max_len, num_blocks = 9, 70, 120
     k = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g)
     v = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g)
     lens = torch.randint(1, max_len, (batch,), generator=g, dtype=torch.int32).sort().values
@@ -35,10 +35,13 @@ def test_kernel_equals_torch_reference(heads, head_size, block_size):
 def test_nan_in_the_stale_tail_of_the_last_block_does_not_leak():
     q, k, v, tables, lens = _case(8, 2, 64, 16, seed=3)
     clean = cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
+    poisoned_rows = 0
     for b, n in enumerate(lens.tolist()):
         last = tables[b, (n - 1) // 16]
-        k[last, n % 16 or 16:] = float("nan") if n % 16 else k[last, 16:]
-        v[last, n % 16 or 16:] = float("nan") if n % 16 else v[last, 16:]
+        k[last, (n - 1) % 16 + 1:] = float("nan")  # rows past the sequence's last token
+        v[last, (n - 1) % 16 + 1:] = float("nan")
+        poisoned_rows += 15 - (n - 1) % 16
+    assert poisoned_rows > 0
     poisoned = cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
     assert not poisoned.isnan().any()
     assert torch.equal(poisoned, clean)
