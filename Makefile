@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet --upgrade pip
 	# The CPU wheel first: anything else would pull a multi-GB CUDA build.
 	$(VPY) -m pip install --quiet torch==2.13.0
-	$(VPY) -m pip install --quiet -e '.[test]'
+	$(VPY) -m pip install --quiet -e '.[test,kernels,gateway,celery]'
 	touch $(STAMP)
 
 redis-server:
