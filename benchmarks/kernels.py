@@ -53,26 +53,27 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / seconds
 
 
-def bench(batch: int, context: int, copy_bw: float) -> dict[str, float]:
+def bench(batch: int, context: int, copy_bw: float,
+          num_heads: int = NUM_HEADS, num_kv_heads: int = NUM_KV_HEADS) -> dict[str, float]:
     g = torch.Generator(device="cuda").manual_seed(batch * 100_000 + context)
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq
-    key_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device="cuda",
+    key_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE, device="cuda",
                             dtype=DTYPE, generator=g)
     value_cache = torch.randn_like(key_cache)
     tables = torch.randperm(num_blocks, device="cuda", generator=g).view(batch, blocks_per_seq)
     tables = tables.to(torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE, generator=g)
+    query = torch.randn(batch, num_heads, HEAD_SIZE, device="cuda", dtype=DTYPE, generator=g)
     out = torch.empty_like(query)
     scale = HEAD_SIZE ** -0.5
     launches = kernels.decode(out, query, key_cache, value_cache, tables, seq_lens, context, scale)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * key_cache.element_size()
+    kv_bytes = 2 * batch * context * num_kv_heads * HEAD_SIZE * key_cache.element_size()
     iters = max(3, min(50, int(2e10 // max(kv_bytes, 1))))
     genq_s = gpu_time(lambda: kernels.run_launches(launches), iters)
 
     def gather() -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (batch, context, NUM_KV_HEADS, HEAD_SIZE)
+        shape = (batch, context, num_kv_heads, HEAD_SIZE)
         k = key_cache[tables.long()].view(shape).transpose(1, 2)
         v = value_cache[tables.long()].view(shape).transpose(1, 2)
         return k, v
@@ -91,7 +92,8 @@ def bench(batch: int, context: int, copy_bw: float) -> dict[str, float]:
     sdpa_s = gpu_time(sdpa, iters)
     gather_s = gpu_time(gather_sdpa, iters)
     return {
-        "batch": batch, "context": context, "kv_bytes": kv_bytes,
+        "batch": batch, "context": context, "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads, "kv_bytes": kv_bytes,
         "genq_us": genq_s * 1e6, "genq_read_gbps": kv_bytes / genq_s / 1e9,
         "fraction_of_copy_bw": kv_bytes / genq_s / copy_bw,
         "sdpa_gathered_us": sdpa_s * 1e6, "gather_sdpa_us": gather_s * 1e6,
@@ -109,23 +111,26 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     device = torch.cuda.get_device_name()
     print(f"{device}: device copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
-    print(f"decode, head {HEAD_SIZE}, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads, bf16, "
-          f"block {BLOCK_SIZE}")
-    header = (f"{'batch':>5} {'ctx':>5} {'KV MB':>8} {'genq us':>9} {'GB/s':>7} {'% copy':>7} "
-              f"{'sdpa us':>9} {'gath+sdpa':>10} {'x sdpa':>7} {'x g+s':>6} {'maxdiff':>8}")
+    print(f"decode, head {HEAD_SIZE}, bf16, block {BLOCK_SIZE}; heads = query/kv")
+    header = (f"{'batch':>5} {'ctx':>5} {'heads':>6} {'KV MB':>8} {'genq us':>9} {'GB/s':>7} "
+              f"{'% copy':>7} {'sdpa us':>9} {'gath+sdpa':>10} {'x sdpa':>7} {'x g+s':>6} "
+              f"{'maxdiff':>8}")
     print(header)
+    # The grid plus one MHA row: a CTA serves one query head, so with GQA the query heads of a KV
+    # head re-read it (from L2); the MHA row at the same bytes shows what that costs.
+    configs = [(b, c, NUM_HEADS, NUM_KV_HEADS) for b in BATCHES for c in CONTEXTS]
+    configs.append((64, 2048, NUM_KV_HEADS, NUM_KV_HEADS))
     rows = []
-    for batch in BATCHES:
-        for context in CONTEXTS:
-            r = bench(batch, context, copy_bw)
-            rows.append(r)
-            print(f"{batch:>5} {context:>5} {r['kv_bytes'] / 1e6:>8.1f} {r['genq_us']:>9.1f} "
-                  f"{r['genq_read_gbps']:>7.0f} {100 * r['fraction_of_copy_bw']:>6.1f}% "
-                  f"{r['sdpa_gathered_us']:>9.1f} {r['gather_sdpa_us']:>10.1f} "
-                  f"{r['speedup_vs_sdpa']:>7.2f} {r['speedup_vs_gather_sdpa']:>6.2f} "
-                  f"{r['max_abs_diff_vs_sdpa']:>8.4f}", flush=True)
-            torch.cuda.empty_cache()
-    target = next(r for r in rows if r["batch"] == 64 and r["context"] == 2048)
+    for batch, context, heads, kv_heads in configs:
+        r = bench(batch, context, copy_bw, heads, kv_heads)
+        rows.append(r)
+        print(f"{batch:>5} {context:>5} {f'{heads}/{kv_heads}':>6} {r['kv_bytes'] / 1e6:>8.1f} "
+              f"{r['genq_us']:>9.1f} {r['genq_read_gbps']:>7.0f} "
+              f"{100 * r['fraction_of_copy_bw']:>6.1f}% {r['sdpa_gathered_us']:>9.1f} "
+              f"{r['gather_sdpa_us']:>10.1f} {r['speedup_vs_sdpa']:>7.2f} "
+              f"{r['speedup_vs_gather_sdpa']:>6.2f} {r['max_abs_diff_vs_sdpa']:>8.4f}", flush=True)
+        torch.cuda.empty_cache()
+    target = rows[[c[:2] for c in configs].index((64, 2048))]
     print(f"batch 64, context 2048: {100 * target['fraction_of_copy_bw']:.1f}% of copy bandwidth "
           "(target 80%)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
