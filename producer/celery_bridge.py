@@ -37,7 +37,8 @@ class GenqJobFailed(Exception):
 
 def create_app(broker: str, redis_url: str, *, backend: str | None = None,
                queue: str = "celery", prefix: str = DEFAULT_PREFIX, timeout: float = 600.0,
-               result_serializer: str = "json") -> Celery:
+               result_serializer: str = "json",
+               visibility_timeout: float | None = None) -> Celery:
     """The bridge's Celery app. Apps read results with their `result_serializer`, which must be
     this one (Celery's Redis backend stores no content type)."""
     if result_serializer not in ACCEPT_CONTENT:
@@ -50,6 +51,13 @@ def create_app(broker: str, redis_url: str, *, backend: str | None = None,
         result_accept_content=ACCEPT_CONTENT, task_default_queue=queue,
         task_acks_late=True, worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True, result_extended=False)
+    if visibility_timeout is not None:
+        # A task a dead bridge took is handed out again after this many seconds; a live bridge's
+        # long task may be handed out twice too, which is harmless: both attach to one job.
+        app.conf.broker_transport_options = {
+            "visibility_timeout": visibility_timeout,
+            "unacked_restore_interval": max(1, int(visibility_timeout // 2)),
+            "unacked_restore_throttle": 1}
     client = Client(redis_url, prefix=prefix)
 
     @app.task(name=TASK_NAME, bind=True)  # type: ignore[untyped-decorator]
@@ -87,13 +95,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds to wait for one job's result")
     p.add_argument("--result-serializer", default="json", choices=ACCEPT_CONTENT,
                    help="how results are written; apps must read them the same way")
+    p.add_argument("--visibility-timeout", type=float, default=None,
+                   help="seconds before a task a dead bridge held is delivered again "
+                        "(default: kombu's, one hour)")
     p.add_argument("--loglevel", default="INFO")
     args = p.parse_args(argv)
     if args.concurrency < 1:
         p.error("--concurrency must be at least 1")
     app = create_app(args.broker, args.redis, backend=args.backend, queue=args.queue,
                      prefix=args.prefix, timeout=args.timeout,
-                     result_serializer=args.result_serializer)
+                     result_serializer=args.result_serializer,
+                     visibility_timeout=args.visibility_timeout)
     app.worker_main(["worker", "--pool", "threads", "--concurrency", str(args.concurrency),
                      "--queues", args.queue, "--loglevel", args.loglevel, "--without-gossip",
                      "--without-mingle", "--hostname", f"genq-bridge@{os.uname().nodename}"])

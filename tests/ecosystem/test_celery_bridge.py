@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
@@ -27,31 +28,44 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Ite
     server = RedisServer(tmp)
     server.start()
     workers = WorkerFactory(tmp)
-    log = tmp / "bridge.log"
     bridge = None
     try:
         worker = workers.start(server.url, tiny_llama, "celery-worker")
-        with open(log, "wb") as out:
-            bridge = subprocess.Popen(
-                [sys.executable, "-m", "producer.cli", "celery-bridge", "--broker", server.url,
-                 "--redis", server.url, "--concurrency", "8", "--loglevel", "WARNING"],
-                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
-                stderr=subprocess.STDOUT)
+        bridge = start_bridge(server.url, tmp / "bridge.log")
         wait_heartbeats(server, [worker])
-        conn = server.client()  # the bridge is up when its consumer has subscribed to the queue
-        wait_for(lambda: bridge.poll() is None and conn.exists("_kombu.binding.celery"),
-                 timeout=60, what=f"the bridge:\n{log.read_text(errors='replace')}")
         yield server.url
     finally:
         if bridge is not None:
-            bridge.send_signal(signal.SIGTERM)
-            try:
-                bridge.wait(15)
-            except subprocess.TimeoutExpired:
-                bridge.kill()
-                bridge.wait()
+            stop(bridge)
         workers.stop_all()
         server.kill()
+
+
+def start_bridge(url: str, log: Path, *extra: str,
+                 queue: str = "celery") -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        bridge = subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", "celery-bridge", "--broker", url, "--redis", url,
+             "--concurrency", "8", "--loglevel", "WARNING", "--queue", queue, *extra],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+            stderr=subprocess.STDOUT)
+    conn = redis.Redis.from_url(url)  # up once its consumer has declared the queue
+    try:
+        wait_for(lambda: bridge.poll() is None and conn.exists(f"_kombu.binding.{queue}"),
+                 timeout=60, what="the bridge to declare its queue")
+    except AssertionError:
+        stop(bridge)
+        raise AssertionError(log.read_text(errors="replace")) from None
+    return bridge
+
+
+def stop(bridge: subprocess.Popen[bytes]) -> None:
+    bridge.send_signal(signal.SIGTERM)
+    try:
+        bridge.wait(15)
+    except subprocess.TimeoutExpired:
+        bridge.kill()
+        bridge.wait()
 
 
 def celery_app(url: str, serializer: str) -> Celery:
@@ -127,3 +141,30 @@ def test_the_bridge_refuses_pickled_tasks(redis_url: str) -> None:
     with pytest.raises(CeleryTimeoutError):  # refused unread: no result ever comes
         result.get(timeout=3)
     assert result.state == "PENDING"
+
+
+def test_a_task_whose_bridge_died_is_delivered_again_and_attaches_to_the_running_job(
+        redis_url: str, tmp_path: Path) -> None:
+    from producer import Client
+    from producer.protocol import decode_event
+
+    extra = ("--visibility-timeout", "2")
+    bridge = start_bridge(redis_url, tmp_path / "first.log", *extra, queue="crash")
+    params = {"temperature": 0, "max_tokens": 480, "ignore_eos": True}
+    result = celery_app(redis_url, "json").send_task(
+        "genq.generate", kwargs={"prompt": PROMPT, "model": "tiny", "params": params},
+        queue="crash")
+    conn = redis.Redis.from_url(redis_url)
+    wait_for(lambda: conn.exists(f"genq:reply:{result.id}"), timeout=60, what="the job to start")
+    bridge.kill()  # kill -9 while its thread waits on the job: the task is unacked
+    bridge.wait()
+    second = start_bridge(redis_url, tmp_path / "second.log", *extra, queue="crash")
+    try:
+        got = result.get(timeout=120)
+    finally:
+        stop(second)
+    with Client(redis_url) as genq:
+        assert got == genq.job(result.id).result(timeout=5)
+    events = [decode_event(f[b"e"]) for _, f in conn.xrange(f"genq:reply:{result.id}")]
+    assert [e["type"] for e in events].count("started") == 1  # the job ran once
+    assert got["usage"]["completion_tokens"] == 480
