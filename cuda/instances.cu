@@ -9,7 +9,7 @@ namespace genq {
 #define GENQ_DECODE(T, HEAD, BLOCK)                                                          \
   template __global__ void paged_attention_decode_kernel<T, HEAD, BLOCK>(                    \
       T*, float*, float*, float*, const T*, const T*, const T*, const int*, const int*, int, \
-      int, int, int, float);
+      int, int, int, float, int);
 
 #define GENQ_PREFILL(T, HEAD, BLOCK)                                                         \
   template __global__ void paged_attention_prefill_kernel<T, HEAD, BLOCK>(                   \

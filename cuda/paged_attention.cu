@@ -3,11 +3,14 @@
 //   key_cache, value_cache: [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_SIZE], T in {float, half,
 //   bf16}; token t of a sequence lives in block block_tables[seq][t / BLOCK_SIZE], row t % BLOCK_SIZE.
 //
-// Decode (one query per sequence): grid (num_heads, num_seqs, max_num_partitions), one CTA per query
-// head and 512-token partition of the context. A lane group of kGroup threads reads one cached token
-// (16-byte vectors); logits of the partition go to shared memory, then the same groups read V.
-// With one partition the CTA writes the output; otherwise it writes an fp32 partial output with its
-// max logit and exp-sum, and paged_attention_reduce_kernel combines the partitions.
+// Decode (one query per sequence): grid (num_heads / heads_per_cta, num_seqs, max_num_partitions).
+// A CTA serves heads_per_cta (1, 2 or 4) query heads of one KV head over one 512-token partition:
+// its 4 warps split as heads_per_cta heads x (4 / heads_per_cta) token slices, so with GQA the
+// sibling query heads read each K/V row at the same time from one SM (L1) instead of each CTA
+// fetching it again from L2. A lane group of kGroup threads reads one cached token (16-byte
+// vectors); a head's logits go to shared memory, then the same groups read V. With one partition
+// the CTA writes the output; otherwise it writes an fp32 partial output with its max logit and
+// exp-sum, and paged_attention_reduce_kernel combines the partitions.
 //
 // Prefill / chunked prefill: grid (num_heads, num_prefill_seqs, ceil(max_query_len / kQueryTile)).
 // The queries of a chunk sit at the last q_len positions of the context and attend causally to
@@ -53,28 +56,32 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_attention_decode_kern
     const T* __restrict__ value_cache,
     const int* __restrict__ block_tables,  // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens,      // [num_seqs], each >= 1
-    int num_kv_heads, int max_blocks_per_seq, int max_num_partitions, int q_stride, float scale) {
+    int num_kv_heads, int max_blocks_per_seq, int max_num_partitions, int q_stride, float scale,
+    int heads_per_cta) {                   // 1, 2 or 4, dividing num_heads / num_kv_heads
   using L = DecodeLayout<T, HEAD_SIZE>;
   static_assert(BLOCK_SIZE % L::kGroupsPerWarp == 0 && kPartitionSize % BLOCK_SIZE == 0,
                 "a warp pass covers whole blocks; a partition covers whole blocks");
-  const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int partition = blockIdx.z;
-  const int num_heads = gridDim.x;
   const int seq_len = seq_lens[seq];
   const int start_token = partition * kPartitionSize;
   if (start_token >= seq_len) return;  // CTA-uniform: this sequence has fewer partitions
   const int end_token = min_int(start_token + kPartitionSize, seq_len);
   const int start_block = start_token / BLOCK_SIZE;
   const int end_block = (end_token + BLOCK_SIZE - 1) / BLOCK_SIZE;
-  const int kv_head = head / (num_heads / num_kv_heads);
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group = lane / L::kGroup;
   const int lane_in_group = lane % L::kGroup;
+  const int splits = kDecodeWarps / heads_per_cta;  // warps per query head
+  const int head_local = warp / splits;
+  const int split = warp % splits;                  // this warp's slice of the partition's blocks
+  const int num_heads = gridDim.x * heads_per_cta;
+  const int head = blockIdx.x * heads_per_cta + head_local;
+  const int kv_head = head / (num_heads / num_kv_heads);  // the same for every warp of the CTA
 
-  __shared__ float logits[kPartitionSize];
+  __shared__ float logits[kDecodeWarps][kPartitionSize];  // [head_local][token in partition]
   __shared__ float max_scratch[kDecodeWarps];
   __shared__ float sum_scratch[kDecodeWarps];
   __shared__ float partial_out[kDecodeWarps][HEAD_SIZE];
@@ -100,10 +107,12 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_attention_decode_kern
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
   const T* k_head = key_cache + kv_head * HEAD_SIZE;
   const T* v_head = value_cache + kv_head * HEAD_SIZE;
+  float* head_logits = logits[head_local];
 
-  // QK^T: warp w takes blocks w, w + 4, ...; group g of the warp takes rows g, g + kGroupsPerWarp.
+  // QK^T: the warps of a head take blocks split, split + splits, ...; group g of a warp takes
+  // rows g, g + kGroupsPerWarp, ... of each block.
   float qk_max = neg_inf();
-  for (int b = start_block + warp; b < end_block; b += kDecodeWarps) {
+  for (int b = start_block + split; b < end_block; b += splits) {
     const T* k_block = k_head + table[b] * block_stride;
 #pragma unroll 4  // 4 rows' loads in flight per lane: ample, and half the code of a full unroll
     for (int i = 0; i < BLOCK_SIZE / L::kGroupsPerWarp; ++i) {
@@ -125,20 +134,32 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_attention_decode_kern
       }
       dot = group_sum<L::kGroup>(dot);  // outside the branch: every lane shuffles
       if (token < end_token) {
-        if (lane_in_group == 0) logits[token - start_token] = dot;
+        if (lane_in_group == 0) head_logits[token - start_token] = dot;
         qk_max = fmaxf(qk_max, dot);
       }
     }
   }
 
-  const float max_logit = block_max<kDecodeWarps>(qk_max, max_scratch);
+  // Softmax of each head over the warps that share it.
+  qk_max = warp_max(qk_max);
+  if (lane == 0) max_scratch[warp] = qk_max;
+  __syncthreads();  // logits and per-warp maxima visible
+  const int first_warp = head_local * splits;
+  float max_logit = max_scratch[first_warp];
+  for (int w = first_warp + 1; w < first_warp + splits; ++w) {
+    max_logit = fmaxf(max_logit, max_scratch[w]);
+  }
   float sum = 0.f;
-  for (int i = threadIdx.x; i < end_token - start_token; i += kDecodeThreads) {
-    const float e = expf(logits[i] - max_logit);
-    logits[i] = e;
+  for (int i = split * 32 + lane; i < end_token - start_token; i += splits * 32) {
+    const float e = expf(head_logits[i] - max_logit);
+    head_logits[i] = e;
     sum += e;
   }
-  const float exp_sum = block_sum<kDecodeWarps>(sum, sum_scratch);  // also publishes logits[]
+  sum = warp_sum(sum);
+  if (lane == 0) sum_scratch[warp] = sum;
+  __syncthreads();  // exponentials and per-warp sums visible
+  float exp_sum = 0.f;
+  for (int w = first_warp; w < first_warp + splits; ++w) exp_sum += sum_scratch[w];
 
   // PV: the same lane groups walk the same rows of V, weighting each by its exponential.
   float acc[L::kVecsPerThread][L::kVec];
@@ -147,14 +168,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_attention_decode_kern
 #pragma unroll
     for (int e = 0; e < L::kVec; ++e) acc[v][e] = 0.f;
   }
-  for (int b = start_block + warp; b < end_block; b += kDecodeWarps) {
+  for (int b = start_block + split; b < end_block; b += splits) {
     const T* v_block = v_head + table[b] * block_stride;
 #pragma unroll 4
     for (int i = 0; i < BLOCK_SIZE / L::kGroupsPerWarp; ++i) {
       const int row = i * L::kGroupsPerWarp + group;
       const int token = b * BLOCK_SIZE + row;
       if (token < end_token) {
-        const float p = logits[token - start_token];
+        const float p = head_logits[token - start_token];
         const T* vp = v_block + row * token_stride;
 #pragma unroll
         for (int v = 0; v < L::kVecsPerThread; ++v) {
@@ -169,7 +190,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_attention_decode_kern
       }
     }
   }
-  // Sum the groups of the warp (lanes with equal lane_in_group), then the warps.
+  // Sum the groups of the warp (lanes with equal lane_in_group), then the warps of each head.
 #pragma unroll
   for (int offset = L::kGroup; offset < 32; offset *= 2) {
 #pragma unroll
@@ -190,20 +211,25 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_attention_decode_kern
   }
   __syncthreads();  // every warp's partial output visible
 
-  const float inv_sum = 1.f / exp_sum;
-  const long long row_index = static_cast<long long>(seq) * num_heads + head;
-  for (int d = threadIdx.x; d < HEAD_SIZE; d += kDecodeThreads) {
-    float o = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) o += partial_out[w][d];
-    o *= inv_sum;
+  for (int idx = threadIdx.x; idx < heads_per_cta * HEAD_SIZE; idx += kDecodeThreads) {
+    const int h = idx / HEAD_SIZE;
+    const int d = idx % HEAD_SIZE;
+    float o = 0.f, s = 0.f;
+    for (int w = h * splits; w < (h + 1) * splits; ++w) {
+      o += partial_out[w][d];
+      s += sum_scratch[w];
+    }
+    o /= s;
+    const long long row_index =
+        static_cast<long long>(seq) * num_heads + blockIdx.x * heads_per_cta + h;
     if (max_num_partitions == 1) {
       out[row_index * HEAD_SIZE + d] = DType<T>::from_float(o);
     } else {
       tmp_out[(row_index * max_num_partitions + partition) * HEAD_SIZE + d] = o;
     }
   }
-  if (max_num_partitions > 1 && threadIdx.x == 0) {
+  if (max_num_partitions > 1 && split == 0 && lane == 0) {
+    const long long row_index = static_cast<long long>(seq) * num_heads + head;
     max_logits[row_index * max_num_partitions + partition] = max_logit;
     exp_sums[row_index * max_num_partitions + partition] = exp_sum;
   }

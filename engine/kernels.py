@@ -33,6 +33,7 @@ REDUCE_THREADS = 128
 PREFILL_THREADS = 128
 CACHE_THREADS = 128
 MAX_GRID_YZ = 65535
+MIN_DECODE_CTAS = 512  # grouping query heads per CTA only while the grid still fills a big GPU
 
 KernelArg = torch.Tensor | np.int32 | np.int64 | np.float32
 
@@ -123,10 +124,23 @@ def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype, num_heads: int,
                          ".contiguous() first")
 
 
+def decode_heads_per_cta(num_heads: int, num_kv_heads: int, num_seqs: int,
+                         num_partitions: int) -> int:
+    """Query heads per decode CTA: the largest of 4, 2, 1 that divides the GQA group and still
+    leaves MIN_DECODE_CTAS CTAs (so small batches keep one head per CTA and more CTAs)."""
+    group = num_heads // num_kv_heads
+    for heads in (4, 2):
+        if group % heads == 0 and num_heads // heads * num_seqs * num_partitions >= MIN_DECODE_CTAS:
+            return heads
+    return 1
+
+
 def decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
            value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-           max_seq_len: int, scale: float) -> list[Launch]:
-    """One query per sequence: out[i] = attention(query[i], context of sequence i)."""
+           max_seq_len: int, scale: float, heads_per_cta: int | None = None) -> list[Launch]:
+    """One query per sequence: out[i] = attention(query[i], context of sequence i).
+    heads_per_cta (1, 2 or 4, dividing num_heads / num_kv_heads) defaults to
+    decode_heads_per_cta."""
     dtype, head_size, block_size = variant = _cache_variant(key_cache)
     num_seqs, num_heads = query.shape[0], query.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -136,6 +150,12 @@ def decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError("decode needs a contiguous out, num_heads a multiple of num_kv_heads and "
                          f"at most {MAX_GRID_YZ} sequences")
     num_partitions = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
+    if heads_per_cta is None:
+        heads_per_cta = decode_heads_per_cta(num_heads, num_kv_heads, num_seqs, num_partitions)
+    if heads_per_cta not in (1, 2, 4) or (num_heads // num_kv_heads) % heads_per_cta:
+        raise ValueError("heads_per_cta must be 1, 2 or 4 and divide the "
+                         f"{num_heads // num_kv_heads} query heads per KV head, got "
+                         f"{heads_per_cta}")
     t = DTYPE_NAMES[dtype]
     dev = query.device
     tmp_out = torch.empty(num_seqs, num_heads, num_partitions, head_size, dtype=torch.float32,
@@ -144,10 +164,10 @@ def decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
     exp_sums = torch.empty_like(max_logits)
     launches = [Launch(
         f"genq::paged_attention_decode_kernel<{t}, {head_size}, {block_size}>", variant,
-        (num_heads, num_seqs, num_partitions), (DECODE_THREADS, 1, 1),
+        (num_heads // heads_per_cta, num_seqs, num_partitions), (DECODE_THREADS, 1, 1),
         (out, tmp_out, max_logits, exp_sums, query, key_cache, value_cache, block_tables,
          seq_lens, _i32(num_kv_heads), _i32(block_tables.shape[1]), _i32(num_partitions),
-         _i32(query.stride(0)), np.float32(scale)))]
+         _i32(query.stride(0)), np.float32(scale), _i32(heads_per_cta)))]
     if num_partitions > 1:
         launches.append(Launch(
             f"genq::paged_attention_reduce_kernel<{t}, {head_size}>", variant,

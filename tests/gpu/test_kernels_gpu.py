@@ -54,10 +54,19 @@ def reference_of(c: Case) -> torch.Tensor:
 @pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
 def test_decode_equals_reference(variant: tuple[torch.dtype, int, int]) -> None:
     dtype, head, block = variant
-    seq_lens = [1, block + 3, 2 * block, 5 * block + 1, 300]
+    seq_lens = [1, block + 3, 2 * block, 5 * block + 1, 300, 1100]
     c = make_case(seq_lens, [1] * len(seq_lens), num_heads=8, num_kv_heads=2, head_size=head,
                   block_size=block, dtype=dtype, seed=head + block, device="cuda")
-    assert_matches(forward(c, len(seq_lens)), reference_of(c), dtype)
+    ref = reference_of(c)
+    assert_matches(forward(c, len(seq_lens)), ref, dtype)
+    for heads_per_cta in (1, 2, 4):  # 4 query heads per KV head: every grouping
+        out = torch.empty_like(c.query)
+        kernels.run_launches(kernels.decode(
+            out, c.query, c.key_cache, c.value_cache, c.block_tables,
+            torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), max(seq_lens), c.scale,
+            heads_per_cta))
+        torch.cuda.synchronize()
+        assert_matches(out, ref, dtype)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_ids)

@@ -41,11 +41,12 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
         assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
 
 
-def run_decode(cpu_kernels: CpuKernels, c: Case) -> torch.Tensor:
+def run_decode(cpu_kernels: CpuKernels, c: Case,
+               heads_per_cta: int | None = None) -> torch.Tensor:
     out = torch.empty_like(c.query)
     seq_lens = torch.tensor(c.seq_lens, dtype=torch.int32)
     cpu_kernels.run(kernels.decode(out, c.query, c.key_cache, c.value_cache, c.block_tables,
-                                   seq_lens, max(c.seq_lens), c.scale))
+                                   seq_lens, max(c.seq_lens), c.scale, heads_per_cta))
     return out
 
 
@@ -77,7 +78,7 @@ def test_decode_equals_reference_with_gqa_ragged_lengths_and_random_tables(
     seq_lens = [1, block + 3, 2 * block, 3 * block + block // 2 + 1]
     c = make_case(seq_lens, [1] * 4, num_heads=2, num_kv_heads=1, head_size=head,
                   block_size=block, dtype=dtype, seed=head + block)
-    assert_matches(run_decode(cpu_kernels, c), reference_of(c), dtype)
+    assert_matches(run_decode(cpu_kernels, c, heads_per_cta=2), reference_of(c), dtype)
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4], ids=["mqa", "gqa", "mha"])
@@ -85,7 +86,10 @@ def test_decode_and_prefill_map_query_heads_to_their_kv_head(cpu_kernels: CpuKer
                                                               num_kv_heads: int) -> None:
     c = make_case([9, 30], [1, 1], num_heads=4, num_kv_heads=num_kv_heads, head_size=64,
                   block_size=8, seed=7)
-    assert_matches(run_decode(cpu_kernels, c), reference_of(c), torch.float32)
+    ref = reference_of(c)
+    for heads_per_cta in (1, 2, 4):  # every grouping of query heads per CTA the ratio allows
+        if (4 // num_kv_heads) % heads_per_cta == 0:
+            assert_matches(run_decode(cpu_kernels, c, heads_per_cta), ref, torch.float32)
     c = make_case([9, 30], [9, 4], num_heads=4, num_kv_heads=num_kv_heads, head_size=64,
                   block_size=8, seed=8)
     assert_matches(run_prefill(cpu_kernels, c), reference_of(c), torch.float32)
@@ -100,9 +104,11 @@ def test_decode_splits_long_contexts_into_partitions_and_reduces_them(
                   seed=11)
     launches = kernels.decode(torch.empty_like(c.query), c.query, c.key_cache, c.value_cache,
                               c.block_tables, torch.tensor(seq_lens, dtype=torch.int32),
-                              max(seq_lens), c.scale)
+                              max(seq_lens), c.scale, heads_per_cta=1)
     assert [launch.grid for launch in launches] == [(2, 3, 3), (2, 3, 1)]
-    assert_matches(run_decode(cpu_kernels, c), reference_of(c), torch.float32)
+    ref = reference_of(c)
+    assert_matches(run_decode(cpu_kernels, c, heads_per_cta=1), ref, torch.float32)
+    assert_matches(run_decode(cpu_kernels, c, heads_per_cta=2), ref, torch.float32)
 
 
 def test_stale_tail_of_the_last_block_never_reaches_the_output(cpu_kernels: CpuKernels) -> None:
@@ -168,12 +174,20 @@ def test_unsupported_head_size_is_a_value_error_naming_the_fix() -> None:
                        72 ** -0.5)
 
 
+def test_query_heads_are_grouped_per_cta_only_while_the_grid_stays_large() -> None:
+    assert kernels.decode_heads_per_cta(32, 8, num_seqs=64, num_partitions=4) == 4
+    assert kernels.decode_heads_per_cta(32, 8, num_seqs=16, num_partitions=1) == 1
+    assert kernels.decode_heads_per_cta(32, 8, num_seqs=32, num_partitions=1) == 2
+    assert kernels.decode_heads_per_cta(28, 4, num_seqs=256, num_partitions=4) == 1  # groups of 7
+    assert kernels.decode_heads_per_cta(32, 32, num_seqs=256, num_partitions=4) == 1  # MHA
+
+
 def test_partition_count_follows_the_longest_context() -> None:
     c = make_case([512, 513], [1, 1], num_heads=2, num_kv_heads=1, head_size=64, block_size=16)
     for max_len, partitions in ((512, 1), (513, 2)):
         launches = kernels.decode(torch.empty_like(c.query), c.query, c.key_cache, c.value_cache,
                                   c.block_tables, torch.tensor(c.seq_lens, dtype=torch.int32),
-                                  max_len, c.scale)
+                                  max_len, c.scale, heads_per_cta=1)
         assert launches[0].grid == (2, 2, partitions)
         assert len(launches) == (1 if partitions == 1 else 2)
         assert math.ceil(max_len / kernels.PARTITION_SIZE) == partitions

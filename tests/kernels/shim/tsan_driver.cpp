@@ -41,7 +41,8 @@ std::vector<int> identity_table(int num_seqs, int blocks_per_seq) {
 }
 
 template <typename T, int HEAD, int BLOCK>
-bool decode(const std::vector<int>& seq_lens, int num_heads, int num_kv_heads) {
+bool decode(const std::vector<int>& seq_lens, int num_heads, int num_kv_heads,
+            int heads_per_cta) {
   const int num_seqs = static_cast<int>(seq_lens.size());
   int max_len = 0;
   for (int n : seq_lens) max_len = n > max_len ? n : max_len;
@@ -60,11 +61,12 @@ bool decode(const std::vector<int>& seq_lens, int num_heads, int num_kv_heads) {
   const std::vector<int> table = identity_table(num_seqs, blocks_per_seq);
   std::vector<float> tmp(qf.size() * partitions), max_logits(num_seqs * num_heads * partitions),
       exp_sums(max_logits.size());
-  cuda_shim::launch(dim3(num_heads, num_seqs, partitions), dim3(genq::kDecodeThreads),
+  cuda_shim::launch(dim3(num_heads / heads_per_cta, num_seqs, partitions),
+                    dim3(genq::kDecodeThreads),
                     genq::paged_attention_decode_kernel<T, HEAD, BLOCK>, out.data(), tmp.data(),
                     max_logits.data(), exp_sums.data(), q.data(), k.data(), v.data(),
                     table.data(), seq_lens.data(), num_kv_heads, blocks_per_seq, partitions,
-                    num_heads * HEAD, 0.125f);
+                    num_heads * HEAD, 0.125f, heads_per_cta);
   if (partitions > 1) {
     cuda_shim::launch(dim3(num_heads, num_seqs), dim3(genq::kReduceThreads),
                       genq::paged_attention_reduce_kernel<T, HEAD>, out.data(), tmp.data(),
@@ -122,8 +124,9 @@ bool cache_kernels() {
 
 int main() {
   bool ok = true;
-  ok &= decode<float, 64, 16>({20, 530}, 2, 1);      // one partition; two partitions + reduce
-  ok &= decode<genq::bf16_t, 128, 32>({45}, 2, 2);
+  ok &= decode<float, 64, 16>({20, 530}, 4, 1, 4);   // 4 heads per CTA; 1 and 2 partitions
+  ok &= decode<float, 64, 16>({530}, 2, 1, 2);        // 2 heads per CTA, reduce
+  ok &= decode<genq::bf16_t, 128, 32>({45}, 2, 2, 1);
   ok &= prefill<64, 8>(40, 20, 2, 1);                 // 2 query tiles, 2 key tiles
   ok &= cache_kernels();
   std::printf(ok ? "kernels ran, outputs finite\n" : "non-finite output\n");
