@@ -3,6 +3,7 @@ never pickle) calls genq.generate on the same redis-server a live genq worker se
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -39,6 +40,14 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Ite
             stop(bridge)
         workers.stop_all()
         server.kill()
+
+
+@pytest.fixture(autouse=True)
+def collect_results() -> Iterator[None]:
+    """AsyncResult.__del__ unsubscribes from the result backend: let it run while Redis lives
+    (results caught in pytest.raises tracebacks sit in reference cycles until a collection)."""
+    yield
+    gc.collect()
 
 
 def start_bridge(url: str, log: Path, *extra: str,
