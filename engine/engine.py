@@ -153,9 +153,13 @@ class Engine:
                 continue
             group, seq = item.group, item.seq
             fan_out = range(group.width) if not group.forked else [seq.index]
+            banned = None
+            if seq.num_output_tokens < group.params.min_tokens:
+                banned = group.params.stop_token_ids + (
+                    [] if group.params.ignore_eos else sorted(self.eos_token_ids))
             for index in fan_out:
                 rows.append(SampleRow(group.params, group.seed, index, seq.num_output_tokens,
-                                      group.prompt_token_ids, seq.output_token_ids))
+                                      group.prompt_token_ids, seq.output_token_ids, banned))
                 owners.append((group, seq, index))
         if not rows:
             return
@@ -191,7 +195,7 @@ class Engine:
         if top is not None:
             seq.output_logprobs.append(top)
         self.counters["num_generated_tokens"] += 1
-        can_stop = seq.num_output_tokens > params.min_tokens
+        can_stop = seq.num_output_tokens >= params.min_tokens
         if can_stop and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif can_stop and not params.ignore_eos and token in self.eos_token_ids:

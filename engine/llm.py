@@ -32,7 +32,7 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(request_id, prompt, p)
+            self.engine.add_request(request_id, prompt, p)  # type: ignore[arg-type]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():

@@ -28,6 +28,7 @@ class SampleRow:
     position: int  # index of the output token being drawn
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    banned_token_ids: list[int] | None = None  # EOS and stop ids while under min_tokens
 
 
 @dataclass
@@ -42,27 +43,28 @@ class Sampler:
         self.vocab_size = vocab_size
         self._vocab_hash: torch.Tensor | None = None
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         logits = logits[:, : self.vocab_size].float()
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, row.banned_token_ids] = float("-inf")
         if any(_has_penalty(r.params) for r in rows):
             logits = _apply_penalties(logits, rows)
-        need_logprobs = [r.params.logprobs is not None or r.params.best_of != r.params.n
-                         or r.params.use_beam_search for r in rows]
-        logprobs = torch.log_softmax(logits, dim=-1) if any(need_logprobs) else None
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
             chosen[idx] = self._draw(logits[idx], [rows[i] for i in random_rows])
         token_ids = chosen.tolist()
-        chosen_lp = [0.0] * len(rows)
+        # Every chosen token's logprob (cumulative_logprob, best_of); the top-k only on request.
+        chosen_lp = (logits.gather(1, chosen[:, None]).squeeze(1)
+                     - torch.logsumexp(logits, dim=-1)).tolist()
         tops: list[dict[int, float] | None] = [None] * len(rows)
-        if logprobs is not None:
-            picked = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-            for i, row in enumerate(rows):
-                chosen_lp[i] = picked[i]
-                if row.params.logprobs is not None:
-                    tops[i] = _top(logprobs[i], row.params.logprobs, token_ids[i], picked[i])
+        for i, row in enumerate(rows):
+            if row.params.logprobs is not None:
+                tops[i] = _top(torch.log_softmax(logits[i], dim=-1), row.params.logprobs,
+                               token_ids[i], chosen_lp[i])
         return SampleResult(token_ids, chosen_lp, tops)
 
     def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

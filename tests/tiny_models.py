@@ -21,7 +21,8 @@ ARCHS = ("llama", "llama_mha_untied", "llama3_rope", "qwen2", "mistral", "gpt2")
 def corpus(num_lines: int = 400, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     words = list(_WORDS) + _EXTRA
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 14))) for _ in range(num_lines)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 14)))
+            for _ in range(num_lines)]
 
 
 def build_tokenizer(path: Path) -> None:
@@ -40,10 +41,10 @@ def build_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def model_config(arch: str):  # -> transformers.PretrainedConfig
+def model_config(arch: str, vocab_size: int = VOCAB_SIZE):  # -> transformers.PretrainedConfig
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    common = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     llama = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                  rms_norm_eps=1e-5, **common)
@@ -70,10 +71,11 @@ def build_model(arch: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> Pa
     import shutil
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(arch), dtype=torch.float32)
+    vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))  # every id decodes to text
+    model = AutoModelForCausalLM.from_config(model_config(arch, vocab), dtype=torch.float32)
     # Random init is close to uniform; sharpen it so greedy decoding is not a coin toss on ties.
     with torch.no_grad():
         for p in model.parameters():

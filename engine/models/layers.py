@@ -47,6 +47,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [num_tokens, 1, head_dim], broadcast over heads.
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

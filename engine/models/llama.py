@@ -81,7 +81,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = self.layers[0].self_attn.head_dim
+        head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
 
 
@@ -92,8 +93,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        attn = self.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or \
+            config.num_attention_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
         self.num_layers = config.num_hidden_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -108,7 +111,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
         for name, param in self.named_parameters():
             if name == "lm_head.weight" and (self.tie_word_embeddings
                                              or "lm_head.weight" not in tensors):

@@ -1,0 +1,67 @@
+"""Streaming text: whole characters only in each delta, stop strings across token boundaries."""
+
+from __future__ import annotations
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.detokenizer import decode_delta, init_offsets
+from engine.sequence import Sequence
+from tests.engine.conftest import assert_drained, random_prompts
+
+
+def test_characters_split_across_tokens_stream_whole(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    text = " 日本語 and 🙂 then Жψ 🚀 中文 ✓"  # the last ones are not in the BPE vocab
+    ids = tok(text).input_ids
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens
+    prompt = tok("the fox").input_ids
+    seq = Sequence(0, 0, list(prompt), len(prompt))
+    init_offsets(seq)
+    deltas = []
+    for token in ids:
+        seq.token_ids.append(token)
+        deltas.append(decode_delta(tok, seq, skip_special_tokens=True))
+    assert "".join(deltas) == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # a token ending mid-character released nothing yet
+
+
+def test_stop_string_spanning_tokens_truncates_text_and_stops(tiny_llama):
+    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01))
+    prompt = random_prompts(1, seed=12)[0]
+    free = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    engine.add_request("free", prompt, free)
+    full = _run(engine)["free"].outputs[0]
+    tokens = full.token_ids
+    pieces = [engine.tokenizer.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+    # A stop string made of the last 2 characters of token i's text and the first of token i+1's.
+    candidates = [i for i in range(1, len(tokens) - 1)
+                  if "\ufffd" not in pieces[i + 2] and len(pieces[i + 1]) - len(pieces[i]) >= 2
+                  and len(pieces[i + 2]) > len(pieces[i + 1])
+                  and pieces[i + 2].find(pieces[i + 2][len(pieces[i + 1]) - 2:
+                                                       len(pieces[i + 1]) + 1])
+                  == len(pieces[i + 1]) - 2]
+    assert candidates, full.text
+    cut = len(pieces[candidates[0] + 1])
+    stop = full.text[cut - 2:cut + 1]
+    first = full.text.find(stop)
+    assert first == cut - 2
+    engine.add_request("stopped", prompt, SamplingParams(temperature=1.0, seed=3,
+                                                         max_tokens=24, ignore_eos=True,
+                                                         stop=[stop]))
+    out = _run(engine)["stopped"].outputs[0]
+    assert out.text == full.text[:first]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    ends = [i for i, p in enumerate(pieces) if len(p) >= first + len(stop)]
+    assert out.token_ids == tokens[:ends[0]]
+    assert_drained(engine)
+
+
+def _run(engine: Engine) -> dict:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done

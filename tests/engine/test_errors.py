@@ -1,0 +1,84 @@
+"""Impossible requests end with a clear error while the rest of the batch completes."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from tests.engine.conftest import assert_drained, hf_greedy, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def test_prompt_over_max_model_len_errors_and_others_complete(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, max_model_len=32)
+    good = random_prompts(3, seed=2, lo=4, hi=12)
+    long = random_prompts(1, seed=3, lo=40, hi=40)[0]
+    outs = llm.generate([good[0], long, good[1], good[2]], GREEDY, use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert outs[1].error == ("the prompt has 40 tokens but max_model_len is 32: it leaves no "
+                             "room to generate; shorten it")
+    assert [outs[i].outputs[0].token_ids for i in (0, 2, 3)] == hf_greedy(tiny_llama, good, 8)
+
+
+def test_generation_stops_at_max_model_len(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, max_model_len=20)
+    prompt = random_prompts(1, seed=4, lo=15, hi=15)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_prompt_larger_than_the_whole_cache_errors_and_others_complete(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, block_size=8, num_gpu_blocks_override=4, watermark=0.0)
+    good = random_prompts(2, seed=5, lo=4, hi=8)
+    big = random_prompts(1, seed=6, lo=60, hi=60)[0]
+    outs = llm.generate([big] + good, GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "needs 8 KV blocks of 8 tokens but the cache holds only 4" in outs[0].error
+    assert [o.outputs[0].token_ids for o in outs[1:]] == hf_greedy(tiny_llama, good, 8)
+
+
+def test_abort_frees_blocks_and_the_request_is_gone(tiny_llama):
+    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01))
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request("b", [8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for _ in range(2):
+        engine.step()
+    assert engine.stats()["num_free_blocks"] < engine.stats()["num_total_blocks"]
+    assert engine.abort("a") is True and engine.abort("a") is False
+    finished = [o for _ in range(5) for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["b"]
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ([], "the prompt is empty"),
+    ([1, 99999], "token id 99999 is outside the vocabulary"),
+    ("", "the prompt is empty"),
+    ([1.5], "prompt must be a string or a list of token ids"),
+])
+def test_unusable_prompts_raise_value_error(tiny_llama, prompt, message):
+    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("x", prompt, GREEDY)
+    assert not engine.has_unfinished()
+
+
+def test_duplicate_request_id_is_refused(tiny_llama):
+    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01))
+    engine.add_request("x", [5, 6], GREEDY)
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.add_request("x", [5, 6], GREEDY)
+    engine.abort("x")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("dtype", "float64", "dtype must be one of"),
+    ("block_size", 12, "block_size must be a power of two"),
+    ("preemption_mode", "maybe", "preemption_mode must be one of"),
+    ("max_num_seqs", 0, "max_num_seqs must be at least 1"),
+])
+def test_invalid_engine_config_names_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **{field: value})

@@ -1,0 +1,151 @@
+"""Sampling: penalties, min_tokens and logprobs against transformers; seeded determinism;
+validation errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from tests.engine.conftest import hf_greedy, random_prompts
+
+PROMPTS = random_prompts(6, seed=4, lo=4, hi=20)
+
+
+def _hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def test_repetition_penalty_matches_transformers(tiny_llama, make_llm):
+    hf = _hf_model(tiny_llama)
+    expected = []
+    for p in PROMPTS:
+        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
+                          max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                          eos_token_id=None, pad_token_id=2)
+        expected.append(out[0, len(p):].tolist())
+    params = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.5, ignore_eos=True)
+    outs = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert expected != hf_greedy(tiny_llama, PROMPTS, 12)  # the penalty changed something
+
+
+def test_presence_and_frequency_penalties_follow_their_formula(tiny_llama, make_llm):
+    """Reference: a greedy loop over the transformers model subtracting
+    frequency * count + presence * [count > 0] of each output token."""
+    hf = _hf_model(tiny_llama)
+    expected = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids, out = list(p), []
+            for _ in range(12):
+                logits = hf(torch.tensor([ids])).logits[0, -1]
+                counts = torch.bincount(torch.tensor(out, dtype=torch.long),
+                                        minlength=logits.numel()).float()
+                logits = logits - 0.7 * counts - 0.9 * (counts > 0).float()
+                token = int(logits.argmax())
+                ids.append(token)
+                out.append(token)
+            expected.append(out)
+    params = SamplingParams(temperature=0, max_tokens=12, frequency_penalty=0.7,
+                            presence_penalty=0.9, ignore_eos=True)
+    outs = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_min_tokens_bans_stop_tokens_like_transformers_min_new_tokens(tiny_llama, make_llm):
+    prompt = PROMPTS[0]
+    greedy = hf_greedy(tiny_llama, [prompt], 12)[0]
+    stop = greedy[1]
+    hf = _hf_model(tiny_llama)
+    ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                      max_new_tokens=12, min_new_tokens=5, do_sample=False, eos_token_id=stop,
+                      pad_token_id=2)[0, len(prompt):].tolist()
+    if stop in ref:
+        ref = ref[: ref.index(stop) + 1]
+    out = make_llm(tiny_llama).generate([prompt], SamplingParams(
+        temperature=0, max_tokens=12, min_tokens=5, stop_token_ids=[stop], ignore_eos=True),
+        use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref
+    assert stop not in out.token_ids[:5]
+    assert out.finish_reason == ("stop" if out.token_ids[-1] == stop else "length")
+
+
+def test_logprobs_equal_log_softmax_of_transformers_logits(tiny_llama, make_llm):
+    prompt = PROMPTS[1]
+    out = make_llm(tiny_llama).generate([prompt], SamplingParams(
+        temperature=0, max_tokens=6, logprobs=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    hf = _hf_model(tiny_llama)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:]
+    ref = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs is not None and len(out.logprobs) == 6
+    total = 0.0
+    for pos, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        top = ref[pos].topk(3)
+        assert set(entry) == set(top.indices.tolist()) | {token}
+        for tid, lp in entry.items():
+            assert lp == pytest.approx(ref[pos, tid].item(), abs=1e-4)
+        total += ref[pos, token].item()
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+
+    def run(seed):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_top_k_one_is_greedy(tiny_llama, make_llm):
+    params = SamplingParams(temperature=1.3, top_k=1, seed=5, max_tokens=10, ignore_eos=True)
+    outs = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, PROMPTS, 10)
+
+
+def test_tiny_top_p_is_greedy(tiny_llama, make_llm):
+    params = SamplingParams(temperature=1.0, top_p=1e-6, seed=5, max_tokens=10, ignore_eos=True)
+    outs = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, PROMPTS, 10)
+
+
+def test_best_of_returns_the_n_most_likely_sequences(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    base = dict(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    all4 = llm.generate(PROMPTS[:2], SamplingParams(n=4, **base), use_tqdm=False)
+    best2 = llm.generate(PROMPTS[:2], SamplingParams(n=2, best_of=4, **base), use_tqdm=False)
+    for full, best in zip(all4, best2):
+        ranked = sorted(full.outputs, key=lambda c: -c.cumulative_logprob)[:2]
+        assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]
+        assert [c.index for c in best.outputs] == [0, 1]
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", -0.5, "temperature must be >= 0"),
+    ("top_p", 0.0, "top_p must be in"),
+    ("top_k", 0, "top_k must be -1"),
+    ("n", 0, "n must be at least 1"),
+    ("max_tokens", 0, "max_tokens must be at least 1"),
+    ("best_of", 1, "best_of must be >= n"),
+    ("min_p", 1.5, "min_p must be in"),
+    ("logprobs", 50, "logprobs must be in"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("seed", "7", "seed must be of type int"),
+])
+def test_invalid_sampling_params_name_the_field(field, value, message):
+    kwargs = {field: value}
+    if field == "best_of":
+        kwargs["n"] = 2
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_sampling_param_is_named():
+    with pytest.raises(ValueError, match="unknown sampling parameter.*temprature"):
+        SamplingParams.from_dict({"temprature": 0.5})
