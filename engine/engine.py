@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine import beam_search
 from engine.attention.base import AttentionBackend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -78,8 +79,6 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        if params.use_beam_search:
-            raise ValueError("beam search is not supported yet; use best_of with n instead")
         token_ids = self._tokenize(prompt)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(next(self._seq_ids), 0, token_ids, len(token_ids))
@@ -145,13 +144,18 @@ class Engine:
         self.kv_cache.copy(sched.blocks_to_copy)
 
     def _postprocess(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        rows: list[SampleRow] = []
-        owners: list[tuple[SequenceGroup, Sequence, int]] = []  # (group, parent seq, fork index)
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
-            if not item.do_sample:
-                continue
+        sampled = [item for item in batch if item.do_sample]  # logits row r <-> sampled[r]
+        rows: list[SampleRow] = []
+        row_index: list[int] = []
+        owners: list[tuple[SequenceGroup, Sequence, int]] = []  # (group, parent seq, fork index)
+        beams: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
+        for r, item in enumerate(sampled):
             group, seq = item.group, item.seq
+            if group.params.use_beam_search:
+                beams.setdefault(id(group), (group, []))[1].append((seq, r))
+                continue
             fan_out = range(group.width) if not group.forked else [seq.index]
             banned = None
             if seq.num_output_tokens < group.params.min_tokens:
@@ -161,31 +165,72 @@ class Engine:
                 rows.append(SampleRow(group.params, group.seed, index, seq.num_output_tokens,
                                       group.prompt_token_ids, seq.output_token_ids, banned))
                 owners.append((group, seq, index))
-        if not rows:
-            return
-        keep = [i for i, item in enumerate(batch) if item.do_sample]
-        logits = logits[torch.tensor(_expand(keep, batch), device=logits.device)] \
-            if len(rows) != len(keep) else logits
-        result = self.sampler(logits, rows)
+                row_index.append(r)
+        if rows:
+            result = self.sampler(logits[torch.tensor(row_index, device=logits.device)], rows)
+            targets = []
+            for group, seq, index in owners:
+                if index != seq.index:  # the first sample of a best_of group forks its sequence
+                    child = seq.fork(next(self._seq_ids), index)
+                    self.block_manager.fork(seq, child)
+                    group.seqs.append(child)
+                    seq = child
+                targets.append(seq)
+            for (group, _, _), seq, token, lp, top in zip(owners, targets, result.token_ids,
+                                                          result.logprobs, result.top_logprobs):
+                self._append(group, seq, token, lp, top)
+        for group, members in beams.values():
+            self._beam_step(group, members, logits)
         now = time.monotonic()
-        targets = []
-        for group, seq, index in owners:
-            if index != seq.index:  # the first sample of a best_of group forks its sequence
-                child = seq.fork(next(self._seq_ids), index)
-                self.block_manager.fork(seq, child)
-                group.seqs.append(child)
-                seq = child
-            targets.append(seq)
-        for (group, _, _), seq, token, lp, top in zip(owners, targets, result.token_ids,
-                                                      result.logprobs, result.top_logprobs):
-            self._append(group, seq, token, lp, top)
+        for group in {id(item.group): item.group for item in sampled}.values():
             if group.first_token_time is None:
                 group.first_token_time = now
-        for group in {id(o[0]): o[0] for o in owners}.values():
             group.seqs.sort(key=lambda s: s.index)
             if group.is_finished():
                 self.scheduler.running.remove(group)
                 self._finish_group(group)
+
+    def _beam_step(self, group: SequenceGroup, members: list[tuple[Sequence, int]],
+                   logits: torch.Tensor) -> None:
+        params, width = group.params, group.width
+        live = [seq for seq, _ in members]
+        rows = logits[torch.tensor([r for _, r in members], device=logits.device),
+                      : self.vocab_size]
+        last = (params.max_tokens is not None
+                and live[0].num_output_tokens + 1 >= params.max_tokens) \
+            or live[0].num_tokens + 1 >= self.max_model_len
+        next_beams, finished = beam_search.select(live, rows, width, self.eos_token_ids, params,
+                                                  last)
+        reused: set[int] = set()
+        targets = []
+        for cand in next_beams + finished:  # forks first: they copy the parent before appends
+            if not cand.finishes and id(cand.parent) not in reused:
+                reused.add(id(cand.parent))
+                targets.append(cand.parent)
+                continue
+            child = cand.parent.fork(next(self._seq_ids), next(self._seq_ids))
+            if not cand.finishes:
+                self.block_manager.fork(cand.parent, child)
+            group.seqs.append(child)
+            targets.append(child)
+        for cand, seq in zip(next_beams + finished, targets):
+            seq.token_ids.append(cand.token)
+            seq.cumulative_logprob = cand.cumulative
+            self.counters["num_generated_tokens"] += 1
+            if cand.finishes:
+                seq.finish_reason = "stop" if cand.token in self.eos_token_ids \
+                    and not params.ignore_eos else "length"
+                seq.output_text = self.tokenizer.decode(
+                    seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        dropped = [s for s in live if id(s) not in reused]
+        hypotheses = beam_search.best([s for s in group.seqs if s.finished], params, width)
+        beams_now = [s for s in group.live_seqs() if id(s) not in {id(d) for d in dropped}]
+        if beam_search.is_done(hypotheses, beams_now, params, width):
+            dropped, beams_now = dropped + beams_now, []
+        keep = {id(s) for s in hypotheses} | {id(s) for s in beams_now}
+        for seq in dropped:
+            self.block_manager.free(seq)
+        group.seqs = [s for s in group.seqs if id(s) in keep]
 
     def _append(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
                 top: dict[int, float] | None) -> None:
@@ -222,12 +267,14 @@ class Engine:
         params = group.params
         finished = group.status is SequenceStatus.FINISHED
         seqs = group.seqs
-        if params.best_of != params.n:
-            if not finished:
-                seqs = []  # best_of > n picks its n outputs only at the end
-            else:
-                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: params.n]
-        outputs = [CompletionOutput(i if params.best_of != params.n else s.index,
+        ranked = params.best_of != params.n or params.use_beam_search
+        if ranked and not finished:
+            seqs = []  # best_of > n and beam search pick their n outputs only at the end
+        elif params.use_beam_search:
+            seqs = beam_search.best(seqs, params, params.n)
+        elif ranked:
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: params.n]
+        outputs = [CompletionOutput(i if ranked else s.index,
                                     s.output_token_ids, s.output_text, s.finish_reason,
                                     s.cumulative_logprob,
                                     list(s.output_logprobs) if params.logprobs is not None

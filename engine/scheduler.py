@@ -202,6 +202,10 @@ class Scheduler:
         if num_seqs > budget.seqs:
             return []
         left = budget.tokens
+        if group.params.use_beam_search:  # beams advance together, each by its whole remainder
+            plan = [ScheduledSeq(group, s, s.num_tokens - s.num_computed_tokens, True)
+                    for s in seqs]
+            return plan if sum(p.num_new_tokens for p in plan) <= left else []
         plan = []
         for seq in seqs:
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -214,9 +218,11 @@ class Scheduler:
 
     def _never_fits_budget(self, group: SequenceGroup) -> bool:
         """Without chunked prefill a sequence longer than the token budget can never run."""
+        remaining = [s.num_tokens - s.num_computed_tokens for s in group.live_seqs()]
+        if group.params.use_beam_search:
+            return sum(remaining) > self.config.max_num_batched_tokens
         return not self.config.enable_chunked_prefill and any(
-            s.num_tokens - s.num_computed_tokens > self.config.max_num_batched_tokens
-            for s in group.live_seqs())
+            r > self.config.max_num_batched_tokens for r in remaining)
 
     def _commit(self, group: SequenceGroup, plan: list[ScheduledSeq], out: SchedulerOutput,
                 budget: _Budget) -> None:

@@ -1,0 +1,78 @@
+"""Beam search, step by step, with transformers' semantics.
+
+Each step scores every (beam, token) pair by the beam's cumulative logprob plus the token's, and
+takes the best 2 x width candidates. In rank order: a candidate among the top `width` that ends
+(EOS, or the last allowed token) becomes a finished hypothesis, scored
+cumulative / generated_length ** length_penalty; other candidates become the next beams until
+there are `width` of them. The request keeps its `width` best hypotheses and returns the n best.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+@dataclass
+class Candidate:
+    parent: Sequence
+    token: int
+    logprob: float
+    cumulative: float
+    finishes: bool  # EOS or the last allowed token: the candidate is a hypothesis, not a beam
+
+
+def score(cumulative: float, length: int, length_penalty: float) -> float:
+    return cumulative / (max(length, 1) ** length_penalty)
+
+
+def select(beams: list[Sequence], logits: torch.Tensor, width: int, eos_ids: set[int],
+           params: SamplingParams, last_step: bool) -> tuple[list[Candidate], list[Candidate]]:
+    """The next beams and the new hypotheses from `beams`' logits rows."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    base = torch.tensor([b.cumulative_logprob for b in beams], device=logprobs.device)
+    totals = (logprobs + base[:, None]).view(-1)
+    top, flat = totals.topk(min(2 * width, totals.numel()))
+    vocab = logprobs.shape[1]
+    next_beams: list[Candidate] = []
+    hypotheses: list[Candidate] = []
+    for rank, (total, index) in enumerate(zip(top.tolist(), flat.tolist())):
+        parent, token = beams[index // vocab], index % vocab
+        ends = not params.ignore_eos and token in eos_ids
+        cand = Candidate(parent, token, float(logprobs[index // vocab, token]), total,
+                         ends or last_step)
+        if cand.finishes:
+            if rank < width:
+                hypotheses.append(cand)
+            continue
+        if len(next_beams) < width:
+            next_beams.append(cand)
+    return next_beams, hypotheses
+
+
+def is_done(hypotheses: list[Sequence], beams: list[Sequence], params: SamplingParams,
+            width: int) -> bool:
+    """transformers' stopping rule once `width` hypotheses exist."""
+    if not beams:
+        return True
+    if len(hypotheses) < width:
+        return False
+    if params.early_stopping is True:
+        return True
+    worst = min(score(h.cumulative_logprob, h.num_output_tokens, params.length_penalty)
+                for h in hypotheses)
+    length = beams[0].num_output_tokens
+    if params.early_stopping == "never" and params.length_penalty > 0.0:
+        assert params.max_tokens is not None
+        length = params.max_tokens
+    best = max(b.cumulative_logprob for b in beams)
+    return worst >= score(best, length, params.length_penalty)
+
+
+def best(hypotheses: list[Sequence], params: SamplingParams, keep: int) -> list[Sequence]:
+    return sorted(hypotheses, key=lambda h: -score(h.cumulative_logprob, h.num_output_tokens,
+                                                   params.length_penalty))[:keep]
