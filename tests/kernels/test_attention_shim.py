@@ -106,9 +106,7 @@ def test_decode_splits_long_contexts_into_partitions_and_reduces_them(
                               c.block_tables, torch.tensor(seq_lens, dtype=torch.int32),
                               max(seq_lens), c.scale, heads_per_cta=1)
     assert [launch.grid for launch in launches] == [(2, 3, 3), (2, 3, 1)]
-    ref = reference_of(c)
-    assert_matches(run_decode(cpu_kernels, c, heads_per_cta=1), ref, torch.float32)
-    assert_matches(run_decode(cpu_kernels, c, heads_per_cta=2), ref, torch.float32)
+    assert_matches(run_decode(cpu_kernels, c, heads_per_cta=2), reference_of(c), torch.float32)
 
 
 def test_stale_tail_of_the_last_block_never_reaches_the_output(cpu_kernels: CpuKernels) -> None:
