@@ -124,6 +124,12 @@ def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype, num_heads: int,
                          ".contiguous() first")
 
 
+def _check_index(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor on {device}, got "
+                         f"{t.dtype} on {t.device}")
+
+
 def decode_heads_per_cta(num_heads: int, num_kv_heads: int, num_seqs: int,
                          num_partitions: int) -> int:
     """Query heads per decode CTA: the largest of 4, 2, 1 that divides the GQA group and still
@@ -146,6 +152,8 @@ def decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
     num_kv_heads = key_cache.shape[2]
     _check_rows("query", query, dtype, num_heads, head_size)
     _check_rows("out", out, dtype, num_heads, head_size)
+    _check_index("block_tables", block_tables, torch.int32, query.device)
+    _check_index("seq_lens", seq_lens, torch.int32, query.device)
     if not out.is_contiguous() or num_heads % num_kv_heads or num_seqs > MAX_GRID_YZ:
         raise ValueError("decode needs a contiguous out, num_heads a multiple of num_kv_heads and "
                          f"at most {MAX_GRID_YZ} sequences")
@@ -160,7 +168,8 @@ def decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
     dev = query.device
     tmp_out = torch.empty(num_seqs, num_heads, num_partitions, head_size, dtype=torch.float32,
                           device=dev) if num_partitions > 1 else _empty(dev)
-    max_logits = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=dev)
+    max_logits = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32,
+                             device=dev) if num_partitions > 1 else _empty(dev)
     exp_sums = torch.empty_like(max_logits)
     launches = [Launch(
         f"genq::paged_attention_decode_kernel<{t}, {head_size}, {block_size}>", variant,
@@ -186,6 +195,9 @@ def prefill(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
     num_heads = query.shape[1]
     _check_rows("query", query, dtype, num_heads, head_size)
     _check_rows("out", out, dtype, num_heads, head_size)
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        _check_index(name, t, torch.int32, query.device)
     rows_per_tile = (2 if head_size > 128 else 4) * (PREFILL_THREADS // 32)
     num_tiles = math.ceil(max_query_len / rows_per_tile)
     if not out.is_contiguous() or num_seqs > MAX_GRID_YZ or num_tiles > MAX_GRID_YZ:
@@ -208,8 +220,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         _check_rows(name, t, key_cache.dtype, num_kv_heads, head_size)
     if value_cache.shape != key_cache.shape or not value_cache.is_contiguous():
         raise ValueError("value_cache must be contiguous and shaped like key_cache")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
-        raise ValueError("slot_mapping must be int64 [num_tokens]")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError("slot_mapping must be [num_tokens]")
+    _check_index("slot_mapping", slot_mapping, torch.int64, key.device)
     vec = 16 // key.element_size()  # elements per 16-byte vector
     if key.shape[0] == 0:
         return []
@@ -233,8 +246,10 @@ def copy_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
     if src_cache.shape[:2] != dst_cache.shape[:2] or src_cache.shape[3:] != dst_cache.shape[3:] \
             or src_cache.dtype != dst_cache.dtype:
         raise ValueError("the two caches differ in layers, block shape or dtype")
-    if pairs.dtype != torch.int64 or pairs.dim() != 2 or pairs.shape[1] != 2:
-        raise ValueError("pairs must be int64 [num_pairs, 2] (src block, dst block)")
+    if pairs.dim() != 2 or pairs.shape[1] != 2:
+        raise ValueError("pairs must be [num_pairs, 2] (src block, dst block)")
+    cuda = [c.device for c in (src_cache, dst_cache) if c.device.type == "cuda"]
+    _check_index("pairs", pairs, torch.int64, cuda[0] if cuda else src_cache.device)
     num_planes = src_cache.shape[0] * 2
     if pairs.shape[0] == 0:
         return []

@@ -28,7 +28,7 @@ class CupyAttentionBackend(AttentionBackend):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self.run(kernels.reshape_and_cache(_rows(key), _rows(value), key_cache, value_cache,
-                                           slot_mapping.to(torch.int64)))
+                                           slot_mapping.to(torch.int64).contiguous()))
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
