@@ -189,3 +189,19 @@ def test_partition_count_follows_the_longest_context() -> None:
         assert launches[0].grid == (2, 2, partitions)
         assert len(launches) == (1 if partitions == 1 else 2)
         assert math.ceil(max_len / kernels.PARTITION_SIZE) == partitions
+
+
+def test_plans_refuse_index_tensors_the_kernels_would_misread() -> None:
+    c = make_case([20], [1], num_heads=2, num_kv_heads=1, head_size=64, block_size=16)
+    seq_lens = torch.tensor(c.seq_lens, dtype=torch.int32)
+    out = torch.empty_like(c.query)
+    with pytest.raises(ValueError, match="block_tables must be a contiguous torch.int32"):
+        kernels.decode(out, c.query, c.key_cache, c.value_cache, c.block_tables.long(), seq_lens,
+                       20, c.scale)
+    with pytest.raises(ValueError, match="seq_lens must be a contiguous torch.int32"):
+        kernels.decode(out, c.query, c.key_cache, c.value_cache, c.block_tables, seq_lens.long(),
+                       20, c.scale)
+    with pytest.raises(ValueError, match="slot_mapping must be a contiguous torch.int64"):
+        k = torch.zeros(1, 1, 64)
+        kernels.reshape_and_cache(k, k, c.key_cache, c.value_cache,
+                                  torch.zeros(1, dtype=torch.int32))
