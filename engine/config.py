@@ -31,6 +31,9 @@ class EngineConfig:
     artificial_preemption_max: int = 500
     attention_backend: str | None = None  # "torch" | "cupy"; None picks by device
     num_threads: int | None = None  # torch intra-op threads on the CPU
+    # Every step's outputs carry the text so far (streaming). Off: text is decoded once at the
+    # end (requests with stop strings still decode as they go); the offline LLM turns it off.
+    stream_text: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

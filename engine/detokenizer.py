@@ -33,6 +33,16 @@ def decode_delta(tokenizer: Any, seq: Sequence, skip_special_tokens: bool) -> st
     return ""
 
 
+def decode_output(tokenizer: Any, seq: Sequence, num_tokens: int, skip_special_tokens: bool) -> str:
+    """The text of the first `num_tokens` outputs in one go, with the same left context."""
+    start = max(seq.num_prompt_tokens - _CONTEXT, 0)
+    end = seq.num_prompt_tokens
+    prefix = tokenizer.decode(seq.token_ids[start:end], skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(seq.token_ids[start:end + num_tokens],
+                            skip_special_tokens=skip_special_tokens)
+    return full[len(prefix):]
+
+
 def find_stop(seq: Sequence, delta: str, params: SamplingParams) -> str | None:
     """If a stop string completed within the last delta, trim the text and return it."""
     if not params.stop or not delta:

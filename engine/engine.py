@@ -17,7 +17,7 @@ from engine import beam_search
 from engine.attention.base import AttentionBackend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import decode_delta, find_stop, init_offsets
+from engine.detokenizer import decode_delta, decode_output, find_stop, init_offsets
 from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
 from engine.models.loader import DTYPES, load_config, load_model, load_tokenizer, max_positions
@@ -220,8 +220,8 @@ class Engine:
             if cand.finishes:
                 seq.finish_reason = "stop" if cand.token in self.eos_token_ids \
                     and not params.ignore_eos else "length"
-                seq.output_text = self.tokenizer.decode(
-                    seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+                seq.output_text = decode_output(self.tokenizer, seq, seq.num_output_tokens,
+                                                params.skip_special_tokens)
         dropped = [s for s in live if id(s) not in reused]
         hypotheses = beam_search.best([s for s in group.seqs if s.finished], params, width)
         beams_now = [s for s in group.live_seqs() if id(s) not in {id(d) for d in dropped}]
@@ -246,9 +246,11 @@ class Engine:
         elif can_stop and not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
         else:
-            delta = decode_delta(self.tokenizer, seq, params.skip_special_tokens)
-            seq.output_text += delta
-            stop = find_stop(seq, delta, params) if can_stop else None
+            stop = None
+            if self.config.stream_text or params.stop:
+                delta = decode_delta(self.tokenizer, seq, params.skip_special_tokens)
+                seq.output_text += delta
+                stop = find_stop(seq, delta, params) if can_stop else None
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
             elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
@@ -257,6 +259,14 @@ class Engine:
                 seq.finish_reason = "length"
         if seq.finished:
             self.block_manager.free(seq)
+            if not (self.config.stream_text or params.stop):  # text once, at the end
+                num = seq.num_output_tokens - (seq.finish_reason == "stop")
+                seq.output_text = decode_output(self.tokenizer, seq, num,
+                                                params.skip_special_tokens)
+            elif seq.stop_reason is None and seq.read_offset < seq.num_tokens:
+                # Flush bytes held back for a character that will now never complete.
+                seq.output_text = decode_output(self.tokenizer, seq, seq.num_output_tokens,
+                                                params.skip_special_tokens)
 
     def _finish_group(self, group: SequenceGroup) -> None:
         group.status = SequenceStatus.FINISHED

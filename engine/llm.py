@@ -16,6 +16,7 @@ from engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str, **config: Any) -> None:
+        config.setdefault("stream_text", False)  # generate() returns whole outputs only
         self.engine = Engine(EngineConfig(model=str(model), **config))
         self._ids = itertools.count()
 

@@ -65,3 +65,13 @@ def _run(engine: Engine) -> dict:
             if out.finished:
                 done[out.request_id] = out
     return done
+
+
+def test_final_text_is_the_same_streamed_or_decoded_once(tiny_llama, make_llm):
+    prompts = random_prompts(8, seed=13)
+    params = SamplingParams(temperature=1.0, seed=8, max_tokens=20, ignore_eos=True)
+    once = make_llm(tiny_llama).generate(prompts, params, use_tqdm=False)
+    streamed = make_llm(tiny_llama, stream_text=True).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in once] == [o.outputs[0].token_ids for o in streamed]
+    assert [o.outputs[0].text for o in once] == [o.outputs[0].text for o in streamed]
+    assert any(o.outputs[0].text for o in once)
