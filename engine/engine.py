@@ -49,7 +49,7 @@ class Engine:
         self.model = load_model(config.model, hf_config, config.dtype, self.device, limit)
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
-        backend = _make_backend(config, self.device)
+        backend = _make_backend(config, self.device, self.model.head_dim)  # type: ignore
         block_bytes = bytes_per_block(self.model.num_layers, config.block_size,  # type: ignore
                                       self.model.num_kv_heads, self.model.head_dim,  # type: ignore
                                       DTYPES[config.dtype])
@@ -341,19 +341,27 @@ def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
     return set(ids) if isinstance(ids, list) else {int(ids)}
 
 
-def _make_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+def _make_backend(config: EngineConfig, device: torch.device, head_dim: int) -> AttentionBackend:
+    """"cupy" (our CUDA kernels) on a CUDA device when CuPy imports and a kernel variant exists
+    for this cache; "torch" otherwise."""
     name = config.attention_backend
     if name is None:
         name = "torch"
         if device.type == "cuda":
-            try:
-                import engine.attention.cupy_backend  # noqa: F401
+            from engine import kernels
 
-                name = "cupy"
-            except ImportError:
+            if not kernels.cupy_available():
                 logger.warning("cupy is not importable: using the torch attention backend")
+            elif not kernels.supports(DTYPES[config.dtype], head_dim, config.block_size):
+                logger.warning("no CUDA kernel variant for %s, head size %d, block size %d: "
+                               "using the torch attention backend", config.dtype, head_dim,
+                               config.block_size)
+            else:
+                name = "cupy"
     if name == "cupy":
-        from engine.attention.cupy_backend import CupyAttentionBackend  # type: ignore
+        if device.type != "cuda":
+            raise ValueError("attention_backend='cupy' needs a CUDA device")
+        from engine.attention.cupy_backend import CupyAttentionBackend
 
         return CupyAttentionBackend()
     from engine.attention.torch_backend import TorchAttentionBackend

@@ -47,26 +47,20 @@ class KVCache:
         self.backend = backend
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._move(self.device_cache, self.host_cache, pairs)
+        if pairs:
+            src, dst = _index(pairs)
+            self.backend.swap_blocks(self.device_cache, self.host_cache, src, dst)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._move(self.host_cache, self.device_cache, pairs)
+        if pairs:
+            src, dst = _index(pairs)
+            self.backend.swap_blocks(self.host_cache, self.device_cache, src, dst)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
-            src, dst = _index(pairs, self.device_cache.device)
-            self.backend.copy_blocks(self.device_cache, src, dst)
-
-    @staticmethod
-    def _move(src_cache: torch.Tensor, dst_cache: torch.Tensor,
-              pairs: list[tuple[int, int]]) -> None:
-        """One gather and one scatter for all blocks (all layers, K and V)."""
-        if not pairs:
-            return
-        src, dst = _index(pairs, src_cache.device)
-        gathered = src_cache.index_select(2, src)
-        dst_cache.index_copy_(2, dst.to(dst_cache.device),
-                              gathered.to(dst_cache.device, non_blocking=True))
+            src, dst = _index(pairs)
+            device = self.device_cache.device
+            self.backend.copy_blocks(self.device_cache, src.to(device), dst.to(device))
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -82,6 +76,6 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
-def _index(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    t = torch.tensor(pairs, dtype=torch.int64, device=device)
+def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.tensor(pairs, dtype=torch.int64)
     return t[:, 0], t[:, 1]

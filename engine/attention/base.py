@@ -50,6 +50,13 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """query [num_tokens, num_heads, head_size] -> output of the same shape."""
 
+    def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor,
+                     dst: torch.Tensor) -> None:
+        """Swap: dst_cache[:, :, dst[i]] = src_cache[:, :, src[i]] between the device cache and
+        host swap space, all layers, K and V: one gather and one scatter for all blocks."""
+        gathered = src_cache.index_select(2, src.to(src_cache.device))
+        dst_cache.index_copy_(2, dst.to(dst_cache.device), gathered.to(dst_cache.device))
+
     @abstractmethod
     def copy_blocks(self, cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write: cache[:, :, dst[i]] = cache[:, :, src[i]] for every layer, K and V."""

@@ -53,6 +53,10 @@ class CupyAttentionBackend(AttentionBackend):
     def copy_blocks(self, cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.run(kernels.copy_blocks(cache, cache, _pairs(src, dst, cache.device)))
 
+    def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor,
+                    dst: torch.Tensor) -> None:
+        swap_blocks(src_cache, dst_cache, src, dst, run=self.run)
+
 
 def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
                 src_ids: Sequence[int] | torch.Tensor, dst_ids: Sequence[int] | torch.Tensor,
