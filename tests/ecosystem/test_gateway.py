@@ -1,7 +1,9 @@
 """`genq gateway` with the official openai client against a live gateway + worker + redis-server.
 
-Every generated text is checked against the offline engine (LLM.generate) on the same tiny model:
-greedy and seeded jobs are deterministic, whichever worker runs them.
+Every generated text is checked against the offline engine (LLM.generate) on the same model:
+greedy and seeded jobs are deterministic, whichever worker runs them. The model is the committed
+genq-tiny-stdlib (trained, so its texts are non-empty Python-like text: comparing texts means
+something, which a random model's byte tokens that decode to "" would not).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from tests.fleet.harness import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPT = "hello world"
+MODEL_DIR = REPO / "models" / "genq-tiny-stdlib"
+PROMPT = "def main("
 Oracle = Callable[[str, dict[str, Any]], list[tuple[str, str | None, int]]]
 
 
@@ -73,15 +76,14 @@ class GatewayProcess:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory,
-          tiny_llama: Path) -> Iterator[tuple[RedisServer, GatewayProcess]]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, GatewayProcess]]:
     tmp = tmp_path_factory.mktemp("gateway")
     server = RedisServer(tmp)
     server.start()
     workers = WorkerFactory(tmp)
     gateway = None
     try:
-        worker = workers.start(server.url, tiny_llama, "gw-worker")
+        worker = workers.start(server.url, MODEL_DIR, "gw-worker")
         gateway = GatewayProcess(server.url, tmp / "gateway.log", "--resume-grace", "0.2")
         wait_heartbeats(server, [worker])
         yield server, gateway
@@ -98,17 +100,18 @@ def client(fleet: tuple[RedisServer, GatewayProcess]) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> Oracle:
+def offline() -> Oracle:
     """(text, finish_reason, number of tokens) per sequence, from LLM.generate."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=256, swap_space=0.01,
+    llm = LLM(model=str(MODEL_DIR), num_gpu_blocks_override=256, swap_space=0.01,
               num_threads=1)
 
     def run(prompt: str, params: dict[str, Any]) -> list[tuple[str, str | None, int]]:
         [out] = llm.generate([prompt], SamplingParams.from_dict(params), use_tqdm=False)
-        return [(c.text, c.finish_reason, len(c.token_ids))
-                for c in sorted(out.outputs, key=lambda c: c.index)]
+        outputs = sorted(out.outputs, key=lambda c: c.index)
+        assert all(c.text.strip() for c in outputs), "an empty text would make the claim vacuous"
+        return [(c.text, c.finish_reason, len(c.token_ids)) for c in outputs]
 
     return run
 
@@ -175,18 +178,22 @@ def test_seeded_n3_choices_equal_the_offline_engine_streamed_or_not(client: open
 
 def test_stop_string_ends_the_text_where_the_offline_engine_does(client: openai.OpenAI,
                                                                  offline: Oracle) -> None:
-    [(full, _, _)] = offline(PROMPT, {"max_tokens": 12, "temperature": 0})
-    stop = full.strip()[len(full.strip()) // 2]  # a character the greedy text does reach
-    [(text, reason, _)] = offline(PROMPT, {"max_tokens": 12, "temperature": 0, "stop": [stop]})
+    params: dict[str, Any] = {"max_tokens": 12, "temperature": 0, "repetition_penalty": 1.3}
+    [(full, _, _)] = offline(PROMPT, params)
+    # A string the greedy text reaches after its start, and not before.
+    cut = next(k for k in range(3, len(full) - 2)
+               if full.index(full[k:k + 3]) == k and full[k:k + 3].strip())
+    stop = full[cut:cut + 3]
+    [(text, reason, _)] = offline(PROMPT, {**params, "stop": [stop]})
     resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
-                                     stop=[stop])
+                                     stop=[stop], extra_body={"repetition_penalty": 1.3})
     assert (resp.choices[0].text, resp.choices[0].finish_reason) == (text, reason)
-    assert reason == "stop" and stop not in text
+    assert reason == "stop" and text == full[:cut]
 
 
 def test_several_prompts_give_n_choices_each_in_prompt_order(client: openai.OpenAI,
                                                              offline: Oracle) -> None:
-    prompts = [PROMPT, "the quick brown fox"]
+    prompts = [PROMPT, "    def __init__(self"]
     params = {"n": 2, "temperature": 0.8, "seed": 3, "max_tokens": 4}
     resp = client.completions.create(model="tiny", prompt=prompts, **params)
     expected = [text for p in prompts for text, _, _ in offline(p, params)]
@@ -356,7 +363,8 @@ def test_more_concurrent_requests_than_redis_connections_all_succeed(
         fleet: tuple[RedisServer, GatewayProcess], tmp_path: Path, offline: Oracle) -> None:
     server, _ = fleet
     narrow = GatewayProcess(server.url, tmp_path / "narrow.log", "--max-connections", "8")
-    prompts = [f"{PROMPT} {k}" for k in range(6)]
+    prompts = [PROMPT, "    def __init__(self", "class Foo(", "with open(", "import os\n",
+               "raise ValueError("]
     expected = {p: offline(p, {"max_tokens": 2, "temperature": 0})[0][0] for p in prompts}
 
     async def run_all() -> list[tuple[str, int, Any]]:
