@@ -72,7 +72,8 @@ def test_swap_blocks_moves_blocks_between_caches_of_different_sizes(
     assert torch.equal(host_cache, expected_host)
     expected_device = device_cache.clone()
     reference.copy_blocks(host_cache, expected_device, [(8, 2)])
-    swap_blocks(host_cache, device_cache, [8], [2], run=cpu_kernels.run)
+    backend = CupyAttentionBackend(run=cpu_kernels.run)  # the engine's route to swap_blocks
+    backend.swap_blocks(host_cache, device_cache, torch.tensor([8]), torch.tensor([2]))
     assert torch.equal(device_cache, expected_device)
 
 
