@@ -143,6 +143,9 @@ class Gateway:
         except ClientGone:
             self.cancel_later(ids)
             return Response(status_code=499)
+        except GatewayError:  # one job failed or timed out: the others' work is wasted
+            await asyncio.gather(*(self.redis.cancel(job_id) for job_id in ids))
+            raise
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for k, result in enumerate(results):
             for out in result["outputs"]:
@@ -181,6 +184,8 @@ class Gateway:
                         yield f"id: {entry_id}\ndata: {json.dumps(data)}\n\n"
                     finished = event["type"] in ("done", "error")
                 yield "data: [DONE]\n\n"
+            except GatewayError as exc:  # e.g. no terminal event before the deadline
+                yield f"data: {json.dumps(exc.body())}\n\n"
             finally:
                 if not finished:  # the client went away (or we failed): stop the job
                     with anyio.CancelScope(shield=True):

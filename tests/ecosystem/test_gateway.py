@@ -383,3 +383,18 @@ def test_more_concurrent_requests_than_redis_connections_all_succeed(
         narrow.stop()
     assert [status for _, status, _ in answers] == [200] * 240
     assert all(body["choices"][0]["text"] == expected[p] for p, _, body in answers)
+
+
+def test_when_one_prompt_of_several_fails_the_others_are_cancelled(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
+    server, gateway = fleet
+    body = {"model": "tiny", "prompt": [[5, 6, 7], [10**9]], "max_tokens": 480,
+            "temperature": 0, "ignore_eos": True}
+
+    def fail() -> None:
+        resp = httpx.post(f"{gateway.url}/v1/completions", json=body,
+                          headers={"Genq-Job-Id": "pair"}, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert "10000000" in resp.json()["error"]["message"]  # the bad token id is named
+
+    cancels_published(server, "pair-0", fail)
