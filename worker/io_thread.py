@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from producer.protocol import encode_event
 from worker.scripts import Scripts
 
 log = logging.getLogger("genq.worker")
@@ -25,12 +26,12 @@ _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLo
 
 @dataclass
 class EventWrite:
-    """Events of one attempt, written only while this worker still owns the entry."""
+    """Events of one attempt (unencoded), written only while this worker still owns the entry."""
 
     entry_id: str
     deliveries: int
     reply_key: str
-    events: list[bytes]
+    events: list[dict[str, Any]]
 
 
 @dataclass
@@ -69,9 +70,10 @@ class Writer(threading.Thread):
         self.max_events_per_call = max_events_per_call
         self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries no longer ours
         self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
-        self.num_events_written = 0
+        self.num_events_written = 0  # after coalescing
+        self.num_token_events_in = 0  # as the loop produced them
         self._queue: queue.Queue[Batch | None] = queue.Queue()
-        self._stopping = False
+        self.error: BaseException | None = None
 
     def submit(self, batch: Batch) -> None:
         if batch:
@@ -82,13 +84,27 @@ class Writer(threading.Thread):
 
     def flush(self) -> None:
         """Wait until everything submitted so far is written."""
-        self._queue.join()
+        while self._queue.unfinished_tasks and self.error is None:
+            time.sleep(0.002)
+        self.check()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("the writer thread failed; stopping the worker") from self.error
 
     def stop(self) -> None:
         self._queue.put(None)
-        self.join()
+        self.join(timeout=30)
 
     def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # a bug here must stop the worker, not hang it
+            log.exception("writer thread failed")
+            self.error = exc
+            self.finished.put("")  # wake nothing in particular; the loop checks .error
+
+    def _run(self) -> None:
         while True:
             first = self._queue.get()
             batches = [first]
@@ -128,11 +144,13 @@ class Writer(threading.Thread):
     def _write(self, batch: Batch) -> None:
         pipe = self.conn.pipeline(transaction=False)
         calls: list[str] = []
-        for chunk in _chunks(batch.events, self.max_events_per_call):
+        events = coalesce(batch.events)
+        for chunk in _chunks(events, self.max_events_per_call):
             keys = [self.jobs_key] + [w.reply_key for w in chunk]
             args: list[Any] = [self.group, self.me, self.reply_ttl]
             for w in chunk:
-                args += [w.entry_id, w.deliveries, len(w.events), *w.events]
+                args += [w.entry_id, w.deliveries, len(w.events),
+                         *(encode_event(e) for e in w.events)]
             self.scripts.write_events(keys=keys, args=args, client=pipe)
             calls.append("events")
         for fin in batch.finishes:
@@ -147,9 +165,46 @@ class Writer(threading.Thread):
             if kind == "events":
                 for entry_id in result:
                     self.lost.put(entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
-        self.num_events_written += sum(len(w.events) for w in batch.events)
+        self.num_events_written += sum(len(w.events) for w in events)
+        self.num_token_events_in += sum(len(w.events) for w in batch.events)
         for fin in batch.finishes:
             self.finished.put(fin.entry_id)
+
+
+def coalesce(writes: list[EventWrite]) -> list[EventWrite]:
+    """One write per attempt, and one tokens event per sequence index in it: when the writer
+    fell behind, the steps it merges cost one XADD per sequence instead of one per step. Order
+    within an attempt is kept; chunks stay contiguous (pos + len == next pos)."""
+    merged: dict[tuple[str, int], EventWrite] = {}
+    for w in writes:
+        key = (w.entry_id, w.deliveries)
+        if key not in merged:
+            merged[key] = EventWrite(w.entry_id, w.deliveries, w.reply_key, [])
+        out = merged[key].events
+        for event in w.events:
+            last = _last_tokens(out, event)
+            if last is None:
+                out.append(dict(event))
+                continue
+            last["token_ids"] = last["token_ids"] + event["token_ids"]
+            last["text"] += event["text"]
+            if "logprobs" in last or "logprobs" in event:
+                last["logprobs"] = last.get("logprobs", []) + event.get("logprobs", [])
+    return list(merged.values())
+
+
+def _last_tokens(out: list[dict[str, Any]], event: dict[str, Any]) -> dict[str, Any] | None:
+    """The tokens event in `out` that `event` continues, if any."""
+    if event["type"] != "tokens":
+        return None
+    for prev in reversed(out):
+        if prev["type"] != "tokens":
+            return None
+        if prev["index"] == event["index"]:
+            contiguous = prev["pos"] + len(prev["token_ids"]) == event["pos"]
+            same = prev["attempt"] == event["attempt"]
+            return prev if contiguous and same else None
+    return None
 
 
 def _chunks(items: list[EventWrite], max_events: int) -> list[list[EventWrite]]:

@@ -30,9 +30,9 @@ class ActiveJob:
         return self.spec.id
 
 
-def token_events(job: ActiveJob, output: RequestOutput) -> list[bytes]:
+def token_events(job: ActiveJob, output: RequestOutput) -> list[dict[str, Any]]:
     """Tokens events for what each sequence produced since the last call (and bookkeeping)."""
-    events: list[bytes] = []
+    events: list[dict[str, Any]] = []
     for comp in output.outputs:
         sent = job.sent_tokens.get(comp.index, 0)
         if len(comp.token_ids) <= sent:
@@ -44,9 +44,8 @@ def token_events(job: ActiveJob, output: RequestOutput) -> list[bytes]:
         job.sent_tokens[comp.index] = len(comp.token_ids)
         job.sent_text[comp.index] = comp.text if comp.text.startswith(text_sent) else text_sent
         if job.stream_tokens:
-            events.append(encode_event(tokens_event(
-                job.attempt, comp.index, sent, list(comp.token_ids[sent:]), delta,
-                _logprobs(comp, sent))))
+            events.append(tokens_event(job.attempt, comp.index, sent,
+                                       list(comp.token_ids[sent:]), delta, _logprobs(comp, sent)))
     return events
 
 

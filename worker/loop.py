@@ -202,7 +202,7 @@ class Worker:
             self.by_job_id[d.job.job_id] = d.job.entry_id
             self.counters["admitted"] += 1
             batch.events.append(EventWrite(d.job.entry_id, d.job.deliveries, d.job.reply_key,
-                                           [encode_event(started_event(d.job.attempt, self.me))]))
+                                           [started_event(d.job.attempt, self.me)]))
         self.writer.submit(batch)
 
     def _rejection(self, job: ActiveJob, code: str, message: str) -> Rejection:
@@ -255,9 +255,10 @@ class Worker:
         self.writer.submit(batch)
 
     def _take_writer_feedback(self) -> None:
+        self.writer.check()
         while not self.writer.finished.empty():
-            self.writer.finished.get()
-            self.num_finishing -= 1
+            if self.writer.finished.get():
+                self.num_finishing -= 1
         while not self.writer.lost.empty():
             entry_id = self.writer.lost.get()
             job = self.jobs.pop(entry_id, None)

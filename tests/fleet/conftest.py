@@ -28,7 +28,7 @@ def workers(tmp_path: Path) -> Iterator[WorkerFactory]:
 
 
 @pytest.fixture(scope="session")
-def offline(tiny_llama: Path) -> Callable[[list[str], dict[str, Any]], list[Expected]]:
+def offline(tiny_llama: Path) -> Callable[[list[str], Any], list[Expected]]:
     """The offline oracle: LLM.generate on the same model, one result per prompt as
     [(token_ids, text, finish_reason) per sequence index]."""
     from engine import LLM, SamplingParams
@@ -36,8 +36,10 @@ def offline(tiny_llama: Path) -> Callable[[list[str], dict[str, Any]], list[Expe
     llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=1024, swap_space=0.01,
               num_threads=1)
 
-    def run(prompts: list[str], params: dict[str, Any]) -> list[Expected]:
-        outs = llm.generate(prompts, SamplingParams.from_dict(params), use_tqdm=False)
+    def run(prompts: list[str], params: dict[str, Any] | list[dict[str, Any]]) -> list[Expected]:
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        outs = llm.generate(prompts, [SamplingParams.from_dict(p) for p in per_prompt],
+                            use_tqdm=False)
         return [[(list(c.token_ids), c.text, c.finish_reason)
                  for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
 
