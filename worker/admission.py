@@ -88,8 +88,8 @@ class Admission:
             return reject(exc.code, exc.message)
         try:
             params = SamplingParams.from_dict(self._params(spec))
-        except (ValueError, TypeError) as exc:
-            return reject("invalid_params", str(exc))
+        except Exception as exc:  # ValueError with the engine's reason, or worse
+            return reject("invalid_params", str(exc) or type(exc).__name__)
         job = ActiveJob(entry_id=entry_id, deliveries=deliveries, attempt=attempt, spec=spec,
                         fields=dict(fields), reply_key=self.keys.reply(spec.id),
                         stream_tokens=spec.stream and not params.use_beam_search

@@ -82,19 +82,23 @@ class Writer(threading.Thread):
     def backlog(self) -> int:
         return self._queue.qsize()
 
-    def flush(self) -> None:
-        """Wait until everything submitted so far is written."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far is written; False if `timeout` ran out."""
+        end = None if timeout is None else time.monotonic() + timeout
         while self._queue.unfinished_tasks and self.error is None:
+            if end is not None and time.monotonic() > end:
+                return False
             time.sleep(0.002)
         self.check()
+        return True
 
     def check(self) -> None:
         if self.error is not None:
             raise RuntimeError("the writer thread failed; stopping the worker") from self.error
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         self._queue.put(None)
-        self.join(timeout=30)
+        self.join(timeout=timeout)
 
     def run(self) -> None:
         try:

@@ -32,6 +32,7 @@ from worker.jobs import ActiveJob, terminal_event, token_events
 from worker.scripts import Scripts, flatten_fields
 
 log = logging.getLogger("genq.worker")
+_FINAL_FLUSH_S = 15.0
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
 
 
@@ -102,8 +103,11 @@ class Worker:
             self._finish(job, None, batch, readd_fields=flatten_fields(readd))
             self.counters["handed_back"] += 1
         self.writer.submit(batch)
-        self.writer.flush()
-        self.writer.stop()
+        if not self.writer.flush(timeout=_FINAL_FLUSH_S):
+            log.warning("Redis did not take the last writes within %.0f s; the unacked jobs "
+                        "will be reclaimed once this worker's heartbeat expires", _FINAL_FLUSH_S)
+        else:
+            self.writer.stop()
         self.cancels.stop()
         self.heartbeat.stop(delete=True)
         log.info("worker %s stopped: %s", self.me, self.counters)
@@ -193,8 +197,8 @@ class Worker:
             if isinstance(d, Admitted):
                 try:
                     self.engine.add_request(d.job.entry_id, d.prompt, d.params)
-                except ValueError as exc:
-                    d = self._rejection(d.job, "bad_prompt", str(exc))
+                except Exception as exc:  # the engine's ValueError, or a job it chokes on
+                    d = self._rejection(d.job, "bad_prompt", f"{type(exc).__name__}: {exc}")
             if isinstance(d, Rejection):
                 self._reject(d, batch)
                 continue

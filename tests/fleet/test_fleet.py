@@ -96,7 +96,11 @@ def test_64_jobs_through_two_workers_equal_offline_outputs(
     client = Client(redis_server.url)
     jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
     results = [job.result(timeout=300) for job in jobs]
-    assert [as_expected(r) for r in results] == expected_for(offline, prompts, params)
+    expected = expected_for(offline, prompts, params)
+    mismatches = [(i, params[i], r["attempt"], as_expected(r), want)
+                  for i, (r, want) in enumerate(zip(results, expected, strict=True))
+                  if as_expected(r) != want]
+    assert mismatches == []
     served_by = {e["worker"] for job in jobs for e in reply_events(redis_server, job.id)
                  if e["type"] == "started"}
     assert served_by == {"w1", "w2"}

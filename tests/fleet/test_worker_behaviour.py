@@ -5,6 +5,9 @@ the whole module left in Redis."""
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ from hypothesis import strategies as st
 from producer import Client, JobError
 from producer.protocol import Keys, ProtocolError, decode_heartbeat, validate_name
 from tests.fleet.harness import (
+    REPO,
     RedisServer,
     WorkerFactory,
     WorkerProcess,
@@ -244,6 +248,27 @@ def test_fuzzed_payloads_interleaved_with_good_jobs(server: RedisServer, worker:
             end = wait_for(lambda j=job_id: terminal(server, j), timeout=30, what="an answer")
             assert end["type"] == "done" or end["message"]
     assert worker.alive()
+
+
+def genq(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "producer.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProcess) -> None:
+    out = genq("submit", "the quick", "--model", "tiny", "--max-tokens", "4", "--temperature",
+               "0", "--json", "--redis", server.url)
+    assert out.returncode == 0, out.stderr
+    done = json.loads(out.stdout)
+    assert (done["type"], len(done["outputs"][0]["token_ids"])) == ("done", 4)
+    bad = genq("submit", "x", "--model", "tiny", "--job-id", "a b", "--redis", server.url)
+    assert bad.returncode == 2 and "job id" in bad.stderr
+    status = json.loads(genq("status", "--json", "--redis", server.url).stdout)
+    assert [(q["model"], q["consumers"]) for q in status["queues"]] == [("tiny", 1)]
+    assert [(w["name"], w["model"], w["capacity"]) for w in status["workers"]] == [
+        ("solo", "tiny", 4)]
+    table = genq("status", "--redis", server.url).stdout
+    assert "solo" in table and "heartbeat_age_s" in table
 
 
 def test_no_genq_key_outlives_its_ttl(server: RedisServer, worker: WorkerProcess) -> None:
