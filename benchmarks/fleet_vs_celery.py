@@ -1,0 +1,239 @@
+"""genq round trips vs Celery round trips on the same redis-server, in one run.
+
+(a) genq: jobs with max_tokens=1 on a tiny model through ONE worker process; submit -> started and
+    submit -> done come from Redis stream-entry ids (server clock, ms).
+(b) Celery: an echo task, msgpack serializer, Redis broker and result backend, a prefork worker
+    with 2 processes; submit -> started is the task's own start time, submit -> done is when the
+    client holds the result.
+(c) token events/s: 256 running requests on one worker (engine-bound on a CPU), and the writer
+    thread alone with 256 owned entries (the Redis-side ceiling of the fenced writes).
+
+    python -m benchmarks.fleet_vs_celery [--jobs 2000] [--model DIR] [--json out.json]
+
+Throughput in both cases is jobs / (last done - first submit). Nothing is asserted here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------- the Celery side (imported by
+# the Celery worker process too, so it must stay importable without side effects)
+try:
+    from celery import Celery
+
+    celery_app = Celery("genq_bench", broker=os.environ.get("GENQ_BENCH_REDIS", "redis://"),
+                        backend=os.environ.get("GENQ_BENCH_REDIS", "redis://"))
+    celery_app.conf.update(task_serializer="msgpack", result_serializer="msgpack",
+                           accept_content=["msgpack"], worker_prefetch_multiplier=64,
+                           broker_connection_retry_on_startup=True)
+
+    @celery_app.task(name="genq_bench.echo")
+    def echo(value: int) -> list[float]:
+        return [value, time.time()]
+except ImportError:  # the genq half still runs
+    celery_app = None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    return {"p50": float(statistics.median(ordered)),
+            "p99": float(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))])}
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def bench_genq(url: str, model_dir: Path, jobs: int, procs: list[subprocess.Popen[bytes]],
+               logdir: Path) -> dict[str, Any]:
+    from producer.bench import run_bench
+    from producer.client import Client
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    log = open(logdir / "genq-worker.log", "wb")  # noqa: SIM115 (closed with the process)
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "worker", "--redis", url, "--model",
+         str(model_dir), "--served-model-name", "tiny", "--name", "bench", "--num-threads", "1",
+         "--num-gpu-blocks-override", "8192", "--swap-space", "0.01"], cwd=REPO, env=env,
+        stdout=log, stderr=subprocess.STDOUT))
+    conn = redis.Redis.from_url(url)
+    wait_until(lambda: conn.exists("genq:worker:bench"), 300, "the genq worker")
+    client = Client(url)
+    run_bench(client, "tiny", 100, {"temperature": 0, "max_tokens": 1}, "warm up", True, 300)
+    one = run_bench(client, "tiny", jobs, {"temperature": 0, "max_tokens": 1},
+                    "the quick brown fox", True, 600)
+    many = run_bench(client, "tiny", 256, {"temperature": 0, "max_tokens": 64,
+                                           "ignore_eos": True}, "the quick brown fox", True, 600)
+    return {"round_trips": one, "running_256": many}
+
+
+def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, Any]:
+    """The writer thread alone: `num_jobs` owned entries, one token per job per step. `per_step`
+    waits for each step's round trip (no coalescing: one XADD per event); `free_running` lets
+    steps queue up while a round trip is in flight (merged into one tokens event per job)."""
+    from producer.protocol import Keys, tokens_event
+    from worker.io_thread import Batch, EventWrite, Writer
+
+    conn = redis.Redis.from_url(url, protocol=2)
+    keys = Keys("genqbench")
+    jobs_key = keys.jobs("w")
+    conn.xgroup_create(jobs_key, "workers", id="0", mkstream=True)
+    for _ in range(num_jobs):
+        conn.xadd(jobs_key, {"v": "1", "job": "x"})
+    got = conn.xreadgroup("workers", "me", {jobs_key: ">"}, count=num_jobs)
+    entry_ids = [eid.decode() for eid, _ in got[0][1]]
+    figures = {}
+    for mode in ("per_step", "free_running"):
+        writer = Writer(conn, jobs_key, keys.dead("w"), "workers", "me", 60, 60)
+        writer.start()
+        start = time.perf_counter()
+        for step in range(steps):
+            writer.submit(Batch(events=[
+                EventWrite(eid, 1, keys.reply(f"j{i}"), [tokens_event(1, 0, step, [5], "x")])
+                for i, eid in enumerate(entry_ids)]))
+            if mode == "per_step":
+                writer.flush()
+        writer.flush()
+        elapsed = time.perf_counter() - start
+        writer.stop()
+        figures[mode] = {"token_events": steps * num_jobs, "seconds": elapsed,
+                         "token_events_per_s": steps * num_jobs / elapsed,
+                         "xadds": writer.num_events_written}
+        conn.delete(*[keys.reply(f"j{i}") for i in range(num_jobs)])
+    conn.delete(jobs_key)
+    return figures
+
+
+def bench_celery(url: str, jobs: int, procs: list[subprocess.Popen[bytes]],
+                 logdir: Path) -> dict[str, Any] | None:
+    if celery_app is None:
+        return None
+    env = {**os.environ, "GENQ_BENCH_REDIS": url, "PYTHONPATH": str(REPO)}
+    log = open(logdir / "celery-worker.log", "wb")  # noqa: SIM115
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "benchmarks.fleet_vs_celery:celery_app", "worker",
+         "-P", "prefork", "-c", "2", "--without-gossip", "--without-mingle",
+         "--without-heartbeat", "-l", "WARNING"], cwd=REPO, env=env, stdout=log,
+        stderr=subprocess.STDOUT))
+    celery_app.conf.update(broker_url=url, result_backend=url)
+    echo.delay(-1).get(timeout=120)  # the worker is up
+    submitted: list[float] = []
+    results = []
+    for i in range(jobs):
+        submitted.append(time.time())
+        results.append(echo.apply_async(args=(i,)))
+    to_started, to_done = [], []
+    last = 0.0
+    for sent, res in zip(submitted, results, strict=True):
+        _value, started = res.get(timeout=600)
+        last = time.time()
+        to_started.append((started - sent) * 1000)
+        to_done.append((last - sent) * 1000)
+    wall = last - submitted[0]
+    return {"jobs": jobs, "wall_s": wall, "jobs_per_s": jobs / wall,
+            "submit_to_started_ms": percentiles(to_started),
+            "submit_to_done_ms": percentiles(to_done)}
+
+
+def tiny_model(tmp: Path) -> Path:
+    from tests.tiny_models import build_model, build_tokenizer
+
+    tok = tmp / "tokenizer"
+    tok.mkdir()
+    build_tokenizer(tok)
+    return build_model("llama", tmp / "tiny", tok)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--model", default=None, help="model dir (default: a tiny random Llama)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="genq-bench-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    procs.append(subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+         "127.0.0.1", "--dir", str(tmp), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        wait_until(lambda: _ping(url), 10, "redis-server")
+        model = Path(args.model) if args.model else tiny_model(tmp)
+        figures: dict[str, Any] = {"genq": bench_genq(url, model, args.jobs, procs, tmp),
+                                   "writer": bench_writer(url)}
+        figures["celery"] = bench_celery(url, args.jobs, procs, tmp)
+        report(figures)
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _ping(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+    except redis.ConnectionError:
+        return False
+
+
+def report(f: dict[str, Any]) -> None:
+    g = f["genq"]["round_trips"]
+    c = f["celery"]
+    print(f"{'':<28}{'jobs/s':>10}{'started p50':>13}{'p99':>8}{'done p50':>10}{'p99':>8}")
+    rows = [("genq (max_tokens=1, 1 worker)", g)] + ([("celery echo (2 prefork)", c)] if c else [])
+    for name, r in rows:
+        s, d = r["submit_to_started_ms"], r["submit_to_done_ms"]
+        print(f"{name:<28}{r['jobs_per_s']:>10.0f}{s['p50']:>13.0f}{s['p99']:>8.0f}"
+              f"{d['p50']:>10.0f}{d['p99']:>8.0f}")
+    if c:
+        print(f"genq / celery: {g['jobs_per_s'] / c['jobs_per_s']:.2f}x")
+    many, w = f["genq"]["running_256"], f["writer"]
+    print(f"token events/s, 256 running requests on one CPU worker: "
+          f"{many['token_events_per_s']:.0f}")
+    for mode in ("per_step", "free_running"):
+        m = w[mode]
+        print(f"token events/s into the writer alone, 256 owned entries, {mode}: "
+              f"{m['token_events_per_s']:.0f} ({m['xadds']} XADDs for {m['token_events']} "
+              "events)")
+
+if __name__ == "__main__":
+    sys.exit(main())
