@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import redis
 
 from producer.protocol import encode_event
@@ -151,10 +152,13 @@ class Writer(threading.Thread):
         events = coalesce(batch.events)
         for chunk in _chunks(events, self.max_events_per_call):
             keys = [self.jobs_key] + [w.reply_key for w in chunk]
-            args: list[Any] = [self.group, self.me, self.reply_ttl]
+            index: list[Any] = []
+            blobs: list[bytes] = []
             for w in chunk:
-                args += [w.entry_id, w.deliveries, len(w.events),
-                         *(encode_event(e) for e in w.events)]
+                encoded = [encode_event(e) for e in w.events]
+                index.append([w.entry_id, w.deliveries, [len(b) for b in encoded]])
+                blobs += encoded
+            args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs)]
             self.scripts.write_events(keys=keys, args=args, client=pipe)
             calls.append("events")
         for fin in batch.finishes:
@@ -179,6 +183,8 @@ def coalesce(writes: list[EventWrite]) -> list[EventWrite]:
     """One write per attempt, and one tokens event per sequence index in it: when the writer
     fell behind, the steps it merges cost one XADD per sequence instead of one per step. Order
     within an attempt is kept; chunks stay contiguous (pos + len == next pos)."""
+    if len({(w.entry_id, w.deliveries) for w in writes}) == len(writes):
+        return writes  # one step's worth: already one event per sequence
     merged: dict[tuple[str, int], EventWrite] = {}
     for w in writes:
         key = (w.entry_id, w.deliveries)

@@ -20,25 +20,31 @@ local function owns(stream, group, id, me, deliveries)
 end
 """
 
-# Token (and started) events of many jobs in one call.
+# Token (and started) events of many jobs in one call. The events travel as ONE blob plus a
+# msgpack index, so a step with 256 running jobs is a handful of arguments, not a thousand.
 # KEYS: jobs stream, reply key of job 1..k.
-# ARGV: group, me, reply ttl, then per job: entry id, deliveries, num events, events...
+# ARGV: group, me, reply ttl, index = msgpack [[entry id, deliveries, [event lengths]], ...]
+#       (one per reply key, same order), blob = the encoded events concatenated.
 # Returns the entry ids this worker no longer owns (their events were not written).
 WRITE_EVENTS_LUA = _OWNS + """
 local group, me, ttl = ARGV[1], ARGV[2], ARGV[3]
+local index = cmsgpack.unpack(ARGV[4])
+local blob = ARGV[5]
 local lost = {}
-local a = 4
+local offset = 1
 for k = 2, #KEYS do
-  local id, deliveries, n = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
-  if owns(KEYS[1], group, id, me, deliveries) then
-    for i = 1, n do
-      redis.call('XADD', KEYS[k], '*', 'e', ARGV[a + 2 + i])
+  local job = index[k - 1]
+  local lengths = job[3]
+  if owns(KEYS[1], group, job[1], me, job[2]) then
+    for i = 1, #lengths do
+      redis.call('XADD', KEYS[k], '*', 'e', string.sub(blob, offset, offset + lengths[i] - 1))
+      offset = offset + lengths[i]
     end
     redis.call('EXPIRE', KEYS[k], ttl)
   else
-    table.insert(lost, id)
+    for i = 1, #lengths do offset = offset + lengths[i] end
+    table.insert(lost, job[1])
   end
-  a = a + 3 + n
 end
 return lost
 """
