@@ -33,6 +33,7 @@ from worker.scripts import Scripts, flatten_fields
 
 log = logging.getLogger("genq.worker")
 _FINAL_FLUSH_S = 15.0
+_MAX_EARLY_CANCELS = 10_000
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
 
 
@@ -60,6 +61,7 @@ class Worker:
         self.jobs: dict[str, ActiveJob] = {}  # entry id -> the attempt running in the engine
         self.by_job_id: dict[str, str] = {}  # job id -> entry id
         self.num_finishing = 0  # finish writes handed to the writer, not yet done
+        self.early_cancels: dict[str, float] = {}  # job id -> when its cancel was published
         self.stop_requested = threading.Event()
         self.counters = {"admitted": 0, "completed": 0, "rejected": 0, "reclaimed": 0,
                          "lost": 0, "cancelled": 0, "handed_back": 0}
@@ -187,9 +189,11 @@ class Worker:
     def _admit(self, entries: list[tuple[str, dict[bytes, bytes], int]]) -> None:
         if not entries:
             return
+        self._apply_cancels()  # take in cancels published while we blocked on the read
         decided = [self.admission.admit(eid, fields, n) for eid, fields, n in entries]
-        cancelled = self._cancelled_ids([d.job.job_id for d in decided
-                                         if isinstance(d, Admitted)])
+        # Cancels published before the job reached us (no Redis round trip here: a cancel whose
+        # publish we missed is found by the next key sweep, within cancel_poll_interval).
+        cancelled = set(self.early_cancels)
         batch = Batch()
         for d in decided:
             if isinstance(d, Admitted) and d.job.job_id in cancelled:
@@ -287,6 +291,11 @@ class Worker:
             if entry_id is not None and entry_id in self.jobs:
                 self.counters["cancelled"] += 1
                 self._end_early(self.jobs[entry_id], "cancelled", "cancelled by the client")
+            else:
+                self.early_cancels[job_id] = now
+        if len(self.early_cancels) > _MAX_EARLY_CANCELS or (
+                self.early_cancels and now - next(iter(self.early_cancels.values())) > 60):
+            self.early_cancels = {k: t for k, t in self.early_cancels.items() if now - t < 60}
 
     def _expire_deadlines(self) -> None:
         now = time.time()

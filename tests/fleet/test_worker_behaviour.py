@@ -118,6 +118,17 @@ def test_cancel_mid_generation_frees_blocks_and_ends_with_cancelled(
     assert idle["num_free_blocks"] == idle["num_total_blocks"]
 
 
+def test_a_job_cancelled_before_any_worker_read_it_ends_cancelled(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    client = Client(server.url)
+    client.cancel("early-1")
+    job = client.submit("the quick", {"temperature": 0, "max_tokens": 500, "ignore_eos": True},
+                        model="tiny", job_id="early-1")
+    with pytest.raises(JobError) as exc:
+        job.result(timeout=30)
+    assert exc.value.code == "cancelled"
+
+
 BAD_JOBS: list[tuple[str, dict[str, Any], str]] = [
     ("unknown param", {"params": {"temprature": 0}}, "unknown_field"),
     ("wrong type", {"params": {"max_tokens": "4"}}, "wrong_type"),
