@@ -93,6 +93,10 @@ def test_64_jobs_through_two_workers_equal_offline_outputs(
     redis_server, _procs = pair
     prompts = corpus(64, seed=7)
     params = [mixed_params(i, 12) for i in range(64)]
+    for i in range(1, 64, 8):  # some seeded n=2, some with a stop string
+        params[i] = {**params[i], "n": 2}
+    for i in range(2, 64, 8):
+        params[i] = {**params[i], "stop": ["the"]}
     client = Client(redis_server.url)
     jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
     results = [job.result(timeout=300) for job in jobs]
