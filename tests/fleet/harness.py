@@ -104,9 +104,12 @@ class WorkerProcess:
 class WorkerFactory:
     """Starts `genq worker` processes (through the console-script dispatcher)."""
 
+    live: list[WorkerFactory] = []  # so a failing test can show every live worker's log
+
     def __init__(self, tmp_path: Path) -> None:
         self.tmp = tmp_path
         self.workers: list[WorkerProcess] = []
+        WorkerFactory.live.append(self)
 
     def start(self, redis_url: str, model_dir: Path, name: str, *extra: str,
               served_name: str = "tiny") -> WorkerProcess:
@@ -128,6 +131,13 @@ class WorkerFactory:
         for worker in self.workers:
             if worker.alive():
                 worker.kill9()
+        if self in WorkerFactory.live:
+            WorkerFactory.live.remove(self)
+
+    @classmethod
+    def log_tails(cls, chars: int = 3000) -> list[tuple[str, str]]:
+        return [(f"worker {w.name} (pid {w.pid}, alive={w.alive()}) log", w.output()[-chars:])
+                for factory in cls.live for w in factory.workers]
 
 
 def wait_heartbeats(server: RedisServer, workers: list[WorkerProcess],
