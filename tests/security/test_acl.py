@@ -106,9 +106,9 @@ def test_worker_and_producer_run_jobs_through_their_users(
         assert outputs(streamed[-1]) == expected[0]
         assert [outputs(job.result(timeout=60)) for job in many] == expected[1:]
 
-        # cancel: SET of the cancel flag + PUBLISH (producer); EXISTS on the flag at admission
-        # (worker, whose listener SUBSCRIBEd at start). Cancelled before it is submitted, so the
-        # outcome does not race the generation.
+        # cancel: SET of the cancel flag + PUBLISH on genq:cancel (producer), received by the
+        # worker's listener (SUBSCRIBEd at start), which remembers it until the job is read.
+        # Cancelled before it is submitted, so the outcome does not race the generation.
         client.cancel("cancelled-early")
         early = client.submit("never runs", GREEDY, model="tiny", job_id="cancelled-early")
         with pytest.raises(JobError) as err:

@@ -5,13 +5,16 @@ so no genq code knows about TLS)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from producer import Client
+from producer.async_client import AsyncClient
 from tests.fleet.harness import WorkerProcess
 from tests.security.conftest import Oracle
 from tests.security.secure_redis import ADMIN_PASSWORD, OPENSSL, Certs, SecureRedis
@@ -38,6 +41,21 @@ def test_a_worker_and_a_client_complete_jobs_over_tls(
     conn = server.client()
     assert conn.config_get("port") == {"port": "0"}  # no plain-text listener at all
     assert conn.config_get("tls-auth-clients") == {"tls-auth-clients": "yes"}
+
+
+def test_the_async_client_completes_a_job_over_tls(
+        tls_fleet: tuple[SecureRedis, WorkerProcess], oracle: Oracle) -> None:
+    """redis.asyncio (AsyncClient, and the gateway's pools) takes the same rediss:// URL."""
+    server, _ = tls_fleet
+
+    async def run() -> dict[str, Any]:
+        async with AsyncClient(server.url_for("genq-producer")) as client:
+            job = await client.submit("jumps over", GREEDY, model="tiny")
+            return await job.result(timeout=60)
+
+    result = asyncio.run(run())
+    assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in result["outputs"]] == \
+        oracle(["jumps over"], GREEDY)[0]
 
 
 def test_plain_tcp_is_refused(tls_fleet: tuple[SecureRedis, WorkerProcess]) -> None:
