@@ -1,5 +1,5 @@
 // Paged decode attention for the CPU: one query token per sequence, K/V read in place through
-// the block table (no gather, no padding), online softmax, GQA. float32.
+// the block table (no gather, no padding), GQA. float32.
 //
 // Cache layout (engine/attention/base.py): [num_blocks, block_size, num_kv_heads, head_size].
 // Work items are (sequence, kv head) pairs, shared by `num_threads` std::threads.
@@ -35,45 +35,52 @@ struct Args {
   float scale;
 };
 
-void attend(const Args& a, int b, int kh) {
+void attend(const Args& a, int b, int kh, std::vector<float>& scores) {
+  // Two passes per (sequence, kv head): scores for every token and query head of the group,
+  // then softmax and the weighted sum of V. No per-token rescaling, no branches.
   const int group = a.num_heads / a.num_kv_heads;
   const int d = a.head_size;
   const int len = a.seq_lens[b];
   const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.table_width;
   const float* q = a.q + (static_cast<int64_t>(b) * a.num_heads + kh * group) * d;
-  float m[kMaxGroup], l[kMaxGroup];
-  alignas(64) float acc[kMaxGroup * kMaxHead];
-  for (int g = 0; g < group; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
+  scores.resize(static_cast<size_t>(group) * len);
+  float m[kMaxGroup];
+  for (int g = 0; g < group; ++g) m[g] = -INFINITY;
+  for (int t = 0; t < len; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / a.block_size]) * a.block_size +
+                         t % a.block_size;
+    const float* k = a.k_cache + (slot * a.num_kv_heads + kh) * d;
+    for (int g = 0; g < group; ++g) {
+      const float s = dot(q + g * d, k, d) * a.scale;
+      scores[static_cast<size_t>(g) * len + t] = s;
+      m[g] = s > m[g] ? s : m[g];
+    }
   }
+  float inv[kMaxGroup];
+  for (int g = 0; g < group; ++g) {
+    float* row = scores.data() + static_cast<size_t>(g) * len;
+    float sum = 0.f;
+    for (int t = 0; t < len; ++t) {
+      row[t] = std::exp(row[t] - m[g]);
+      sum += row[t];
+    }
+    inv[g] = 1.f / sum;
+  }
+  alignas(64) float acc[kMaxGroup * kMaxHead];
   for (int i = 0; i < group * d; ++i) acc[i] = 0.f;
   for (int t = 0; t < len; ++t) {
     const int64_t slot = static_cast<int64_t>(table[t / a.block_size]) * a.block_size +
                          t % a.block_size;
-    const int64_t off = (slot * a.num_kv_heads + kh) * d;
-    const float* k = a.k_cache + off;
-    const float* v = a.v_cache + off;
+    const float* v = a.v_cache + (slot * a.num_kv_heads + kh) * d;
     for (int g = 0; g < group; ++g) {
-      const float s = dot(q + g * d, k, d) * a.scale;
+      const float p = scores[static_cast<size_t>(g) * len + t];
       float* o = acc + g * d;
-      if (s > m[g]) {
-        const float c = std::exp(m[g] - s);
-        l[g] = l[g] * c + 1.f;
-        for (int i = 0; i < d; ++i) o[i] = o[i] * c + v[i];
-        m[g] = s;
-      } else {
-        const float p = std::exp(s - m[g]);
-        l[g] += p;
-        for (int i = 0; i < d; ++i) o[i] += p * v[i];
-      }
+      for (int i = 0; i < d; ++i) o[i] += p * v[i];
     }
   }
   float* out = a.out + (static_cast<int64_t>(b) * a.num_heads + kh * group) * d;
-  for (int g = 0; g < group; ++g) {
-    const float inv = 1.f / l[g];
-    for (int i = 0; i < d; ++i) out[g * d + i] = acc[g * d + i] * inv;
-  }
+  for (int g = 0; g < group; ++g)
+    for (int i = 0; i < d; ++i) out[g * d + i] = acc[g * d + i] * inv[g];
 }
 
 }  // namespace
@@ -91,8 +98,9 @@ extern "C" int genq_paged_decode_f32(const float* q, const float* k_cache, const
   const int items = num_seqs * num_kv_heads;
   std::atomic<int> next{0};
   auto work = [&] {
+    std::vector<float> scores;
     for (int i = next.fetch_add(1); i < items; i = next.fetch_add(1))
-      attend(a, i / num_kv_heads, i % num_kv_heads);
+      attend(a, i / num_kv_heads, i % num_kv_heads, scores);
   };
   std::vector<std::thread> pool;
   for (int t = 1; t < num_threads && t < items; ++t) pool.emplace_back(work);
