@@ -29,12 +29,12 @@ from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat
 from worker.io_thread import Batch, EventWrite, FinishWrite, Writer
 from worker.jobs import ActiveJob, terminal_event, token_events
-from worker.scripts import Scripts, flatten_fields
+from worker.reader import RETRYABLE, Entry, JobReader
+from worker.scripts import flatten_fields
 
 log = logging.getLogger("genq.worker")
 _FINAL_FLUSH_S = 15.0
 _MAX_EARLY_CANCELS = 10_000
-_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
 
 
 class Worker:
@@ -46,10 +46,7 @@ class Worker:
         self.jobs_key = self.keys.jobs(cfg.served_model_name)
         self.conn = redis.Redis.from_url(cfg.redis_url, protocol=2, socket_timeout=10,
                                          socket_connect_timeout=5)
-        self.read_conn = redis.Redis.from_url(cfg.redis_url, protocol=2,
-                                              socket_timeout=cfg.block_ms / 1000 + 10,
-                                              socket_connect_timeout=5)
-        self.scripts = Scripts(self.conn)
+        self.reader = JobReader(cfg, self.keys, self.conn)
         self.admission = Admission(cfg, self.keys, engine.tokenizer, engine.max_model_len)
         self.max_num_seqs = int(engine.config.max_num_seqs)
         self.writer = Writer(self.conn, self.jobs_key, self.keys.dead(cfg.served_model_name),
@@ -68,8 +65,7 @@ class Worker:
         self._stats: dict[str, Any] = {}
         self._next_reclaim = 0.0
         self._next_cancel_sweep = 0.0
-        self._next_read = 0.0
-        self._read_backoff = 0.05
+        self._drain_end: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -77,14 +73,18 @@ class Worker:
         self.stop_requested.set()
 
     def run(self) -> int:
-        self._ensure_group(wait=True)
+        self.reader.ensure_group(wait=True)
         self._stats = self.engine.stats()
-        self.heartbeat.beat()
+        try:
+            self.heartbeat.beat()
+        except RETRYABLE as exc:  # the heartbeat thread keeps trying
+            log.warning("first heartbeat failed: %s", exc)
         for thread in (self.heartbeat, self.cancels, self.writer):
             thread.start()
         log.info("worker %s serving %s on %s", self.me, self.cfg.served_model_name,
                  self.cfg.device)
-        self._claim(include_self=True)  # a restart under the same name re-reads its own entries
+        # A restart under the same name re-reads its own pending entries first.
+        self._claim(include_self=True, count=self.max_num_seqs)
         self._next_reclaim = time.monotonic() + self.cfg.reclaim_interval
         while not self.stop_requested.is_set():
             self._iteration(reading=True)
@@ -94,8 +94,8 @@ class Worker:
     def _drain(self) -> None:
         """Stop reading, finish in-flight work within drain_timeout, hand back the rest."""
         log.info("draining %d job(s) (up to %.1f s)", len(self.jobs), self.cfg.drain_timeout)
-        end = time.monotonic() + self.cfg.drain_timeout
-        while self.jobs and time.monotonic() < end:
+        self._drain_end = time.monotonic() + self.cfg.drain_timeout
+        while self.jobs and not self._drain_expired():
             self._iteration(reading=False)
         batch = Batch()
         for job in list(self.jobs.values()):
@@ -128,65 +128,37 @@ class Worker:
         elif not reading or self._capacity() == 0:
             time.sleep(0.002)  # nothing to step; wait for the writer to finish what is held
         self._stats = self.engine.stats()
-        while self.writer.backlog() > 8:  # the writer is behind (e.g. Redis is down): wait
-            time.sleep(0.002)
+        while self.writer.backlog() > 8 and not self._drain_expired():
+            time.sleep(0.002)  # the writer is behind (e.g. Redis is down): wait for it
             self._take_writer_feedback()
+
+    def _drain_expired(self) -> bool:
+        return self._drain_end is not None and time.monotonic() > self._drain_end
 
     def _capacity(self) -> int:
         return free_capacity(self.max_num_seqs, len(self.jobs) + self.num_finishing, self._stats)
 
     def _read_new(self) -> None:
-        now = time.monotonic()
-        if now < self._next_read:
-            return
         capacity = self._capacity()
+        now = time.monotonic()
         if capacity > 0 and now >= self._next_reclaim:
             self._next_reclaim = now + self.cfg.reclaim_interval
             capacity -= self._claim(include_self=False, count=capacity)
-        if capacity <= 0:
-            return
         idle = not self.engine.has_unfinished() and self.num_finishing == 0
-        try:
-            resp = self.read_conn.xreadgroup(self.keys.group, self.me, {self.jobs_key: ">"},
-                                             count=capacity,
-                                             block=self.cfg.block_ms if idle else None)
-            self._read_backoff = 0.05
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self._ensure_group(wait=False)
-            return
-        except _RETRYABLE as exc:
-            log.warning("reading jobs failed (%s); retrying in %.2f s", exc, self._read_backoff)
-            self._next_read = now + self._read_backoff
-            self._read_backoff = min(self._read_backoff * 2, 2.0)
-            if idle:
-                time.sleep(self._read_backoff)
-            return
-        entries: Any = resp or []
-        batch = [(_text(eid), fields, 1) for _key, items in entries for eid, fields in items]
-        self._admit(batch)
+        self._admit(self.reader.read(capacity, block=idle))
 
-    def _claim(self, include_self: bool, count: int | None = None) -> int:
-        count = self.max_num_seqs if count is None else count
-        try:
-            claimed = self.scripts.reclaim(
-                keys=[self.jobs_key],
-                args=[self.keys.group, self.me, self.keys.worker_prefix, count,
-                      "1" if include_self else "0"])
-        except _RETRYABLE as exc:
-            log.warning("reclaim failed: %s", exc)
-            return 0
-        batch = [(_text(eid), _pairs(flat), int(deliveries)) for eid, flat, deliveries in claimed]
-        if batch:
-            log.info("claimed %d pending job(s)%s", len(batch), " of mine" if include_self else "")
-            self.counters["reclaimed"] += len(batch)
-        self._admit(batch)
-        return len(batch)
+    def _claim(self, include_self: bool, count: int) -> int:
+        claimed = self.reader.claim(count, include_self)
+        if claimed:
+            log.info("claimed %d pending job(s)%s", len(claimed),
+                     " of mine" if include_self else "")
+            self.counters["reclaimed"] += len(claimed)
+        self._admit(claimed)
+        return len(claimed)
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, entries: list[tuple[str, dict[bytes, bytes], int]]) -> None:
+    def _admit(self, entries: list[Entry]) -> None:
         if not entries:
             return
         self._apply_cancels()  # take in cancels published while we blocked on the read
@@ -311,29 +283,9 @@ class Worker:
             for job_id in job_ids:
                 pipe.exists(self.keys.cancel(job_id))
             flags = pipe.execute()
-        except _RETRYABLE:
+        except RETRYABLE:
             return set()
         return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
-
-    # ------------------------------------------------------------------ Redis plumbing
-
-    def _ensure_group(self, wait: bool) -> None:
-        backoff = 0.05
-        while True:
-            try:
-                self.conn.xgroup_create(self.jobs_key, self.keys.group, id="0", mkstream=True)
-                self.conn.expire(self.jobs_key, self.cfg.stream_ttl)
-                return
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" in str(exc):
-                    return
-                raise
-            except _RETRYABLE as exc:
-                if not wait:
-                    return
-                log.warning("waiting for Redis: %s", exc)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
 
     def _heartbeat_info(self) -> dict[str, Any]:
         stats = self._stats
@@ -347,10 +299,3 @@ class Worker:
                 "num_preemptions": stats.get("num_preemptions", 0),
                 "events_written": self.writer.num_events_written, **self.counters}
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
-    return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}

@@ -1,0 +1,107 @@
+"""JobReader: how entries come in from the job stream (new reads and heartbeat-gated claims).
+
+Blocking reads use a connection of their own whose socket timeout is above the BLOCK time. A
+lost connection never raises out of here: reads back off (and say so) while the engine keeps
+stepping; a missing consumer group (Redis lost its data, or the stream's TTL ran out) is
+re-created from id 0 so no entry already in the stream is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+
+from producer.protocol import Keys
+from worker.config import WorkerConfig
+from worker.scripts import Scripts
+
+log = logging.getLogger("genq.worker")
+RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
+Entry = tuple[str, dict[bytes, bytes], int]  # entry id, fields, deliveries (fencing token)
+
+
+class JobReader:
+    def __init__(self, cfg: WorkerConfig, keys: Keys, conn: redis.Redis) -> None:
+        self.cfg = cfg
+        self.keys = keys
+        self.me = cfg.name
+        self.jobs_key = keys.jobs(cfg.served_model_name)
+        self.conn = conn
+        self.read_conn = redis.Redis.from_url(cfg.redis_url, protocol=2,
+                                              socket_timeout=cfg.block_ms / 1000 + 10,
+                                              socket_connect_timeout=5)
+        self.scripts = Scripts(conn)
+        self._next_read = 0.0
+        self._backoff = 0.05
+
+    def read(self, count: int, block: bool) -> list[Entry]:
+        """Up to `count` new entries (deliveries = 1); waits up to block_ms if `block`."""
+        now = time.monotonic()
+        if count <= 0 or now < self._next_read:
+            return []
+        try:
+            resp = self.read_conn.xreadgroup(self.keys.group, self.me, {self.jobs_key: ">"},
+                                             count=count,
+                                             block=self.cfg.block_ms if block else None)
+            self._backoff = 0.05
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_group(wait=False)
+            return []
+        except RETRYABLE as exc:
+            log.warning("reading jobs failed (%s); retrying in %.2f s", exc, self._backoff)
+            self._next_read = now + self._backoff
+            if block:
+                time.sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, 2.0)
+            return []
+        entries: Any = resp or []
+        return [(_text(eid), fields, 1) for _key, items in entries for eid, fields in items]
+
+    def claim(self, count: int, include_self: bool) -> list[Entry]:
+        """Up to `count` pending entries of workers whose heartbeat is gone (and this worker's
+        own when `include_self`: a restart under the same name)."""
+        if count <= 0:
+            return []
+        try:
+            claimed = self.scripts.reclaim(
+                keys=[self.jobs_key],
+                args=[self.keys.group, self.me, self.keys.worker_prefix, count,
+                      "1" if include_self else "0"])
+        except RETRYABLE as exc:
+            log.warning("reclaim failed: %s", exc)
+            return []
+        except redis.ResponseError as exc:  # NOGROUP / no such key: nothing to claim
+            log.warning("reclaim refused: %s", exc)
+            return []
+        return [(_text(eid), _pairs(flat), int(n)) for eid, flat, n in claimed]
+
+    def ensure_group(self, wait: bool) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                self.conn.xgroup_create(self.jobs_key, self.keys.group, id="0", mkstream=True)
+                self.conn.expire(self.jobs_key, self.cfg.stream_ttl)
+                return
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" in str(exc):
+                    return
+                raise
+            except RETRYABLE as exc:
+                if not wait:
+                    return
+                log.warning("waiting for Redis: %s", exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
