@@ -4,6 +4,7 @@ the whole module left in Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer import Client, JobError
+from producer import AsyncClient, Client, JobError
 from producer.protocol import Keys, ProtocolError, decode_heartbeat, validate_name
 from tests.fleet.harness import (
     REPO,
@@ -127,6 +128,53 @@ def test_a_job_cancelled_before_any_worker_read_it_ends_cancelled(
     with pytest.raises(JobError) as exc:
         job.result(timeout=30)
     assert exc.value.code == "cancelled"
+
+
+def test_a_deadline_passing_mid_generation_ends_the_job_and_frees_its_blocks(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    job = Client(server.url).submit("the quick", {"temperature": 0, "max_tokens": 500,
+                                                  "ignore_eos": True}, model="tiny",
+                                    deadline=time.time() + 1.0)
+    with pytest.raises(JobError) as exc:
+        job.result(timeout=30)
+    assert exc.value.code == "deadline_exceeded"
+    kinds = [e["type"] for e in reply_events(server, job.id)]
+    assert kinds[0] == "started" and "tokens" in kinds and kinds[-1] == "error"
+    idle = wait_for(lambda: (hb := heartbeat(server))["held"] == 0 and hb["running"] == 0
+                    and hb, timeout=10, what="an idle heartbeat")
+    assert idle["num_free_blocks"] == idle["num_total_blocks"]
+
+
+def test_n2_stream_delivers_each_sequence_once_and_matches_done(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    job = Client(server.url).submit("the quick", {"temperature": 0.8, "seed": 5, "n": 2,
+                                                  "max_tokens": 20, "ignore_eos": True},
+                                    model="tiny")
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    events = list(job.stream(timeout=60))
+    for e in events:
+        if e["type"] == "tokens":
+            assert e["pos"] == len(streamed[e["index"]])
+            streamed[e["index"]] += e["token_ids"]
+    done = events[-1]
+    assert done["type"] == "done"
+    assert streamed == {o["index"]: o["token_ids"] for o in done["outputs"]}
+    assert [len(v) for v in streamed.values()] == [20, 20]
+
+
+def test_async_client_streams_a_real_job(server: RedisServer, worker: WorkerProcess) -> None:
+    async def scenario() -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+        async with AsyncClient(server.url) as client:
+            job = await client.submit("the quick brown", {"temperature": 0, "max_tokens": 6},
+                                      model="tiny")
+            kinds = [e["type"] async for e in job.stream(timeout=60)]
+            return kinds, await job.result(timeout=60), Client(server.url).submit(
+                "the quick brown", {"temperature": 0, "max_tokens": 6},
+                model="tiny").result(timeout=60)
+
+    kinds, async_result, sync_result = asyncio.run(scenario())
+    assert kinds[0] == "started" and kinds[-1] == "done" and kinds.count("tokens") >= 1
+    assert async_result["outputs"] == sync_result["outputs"]
 
 
 BAD_JOBS: list[tuple[str, dict[str, Any], str]] = [
