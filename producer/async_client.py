@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -17,6 +17,8 @@ from producer.client import (
     DEFAULT_IDEMPOTENCY_TTL,
     DEFAULT_STREAM_TTL,
     DEFAULT_URL,
+    Messages,
+    Prompt,
     make_job_spec,
     result_from_events,
 )
@@ -52,10 +54,11 @@ class AsyncClient:
         self.blocking_redis = connect_async(url, blocking=True)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
 
-    async def submit(self, prompt: str | Sequence[int], params: dict[str, Any] | None = None, *,
-                     model: str, job_id: str | None = None, deadline: float | None = None,
-                     stream: bool = True) -> AsyncJob:
-        spec = make_job_spec(prompt, params, model, job_id, deadline, stream)
+    async def submit(self, prompt: Prompt | None = None, params: dict[str, Any] | None = None,
+                     *, model: str, messages: Messages | None = None, job_id: str | None = None,
+                     deadline: float | None = None, stream: bool = True) -> AsyncJob:
+        """Client.submit's mirror: a prompt, or a chat as `messages=[...]` (keyword)."""
+        spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
         entry = encode_job_entry(spec)
         entry_id = await self._submit_script(
             keys=[self.keys.idem(spec.id), self.keys.jobs(model)],

@@ -52,18 +52,27 @@ def connect(url: str, *, blocking: bool = False) -> redis.Redis:
                                 socket_connect_timeout=5.0)
 
 
-def make_job_spec(prompt: str | Sequence[int], params: dict[str, Any] | None, model: str,
-                  job_id: str | None, deadline: float | None, stream: bool) -> JobSpec:
-    """Build and check a job. Sampling without a seed gets one here, so a replay after a failover
-    samples the same tokens."""
+Prompt = str | Sequence[int]
+Messages = Sequence[dict[str, str]]
+
+
+def make_job_spec(prompt: Prompt | None, params: dict[str, Any] | None, model: str,
+                  job_id: str | None, deadline: float | None, stream: bool,
+                  messages: Messages | None = None) -> JobSpec:
+    """Build and check a job: a prompt (text or token ids) or chat `messages` ([{"role",
+    "content"}, ...], templated by the worker), not both. Sampling without a seed gets a seed
+    here, so a replay after a failover samples the same tokens."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of a prompt (text or token ids) and messages=[...]")
     params = dict(params or {})
     seed = None
     if params.get("seed") is None and params.get("temperature", 1.0) != 0:
         seed = secrets.randbits(63)
     text = prompt if isinstance(prompt, str) else None
-    ids = None if isinstance(prompt, str) else list(prompt)
+    ids = None if prompt is None or isinstance(prompt, str) else list(prompt)
+    chat = None if messages is None else [dict(m) for m in messages]
     spec = JobSpec(id=job_id or uuid.uuid4().hex, model=model, prompt=text, prompt_token_ids=ids,
-                   params=params, seed=seed, created=time.time(), deadline=deadline,
+                   messages=chat, params=params, seed=seed, created=time.time(), deadline=deadline,
                    stream=stream)
     return check_job_spec(spec)
 
@@ -92,10 +101,12 @@ class Client:
         self.blocking_redis = connect(url, blocking=True)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
 
-    def submit(self, prompt: str | Sequence[int], params: dict[str, Any] | None = None, *,
-               model: str, job_id: str | None = None, deadline: float | None = None,
-               stream: bool = True) -> Job:
-        spec = make_job_spec(prompt, params, model, job_id, deadline, stream)
+    def submit(self, prompt: Prompt | None = None, params: dict[str, Any] | None = None, *,
+               model: str, messages: Messages | None = None, job_id: str | None = None,
+               deadline: float | None = None, stream: bool = True) -> Job:
+        """Enqueue one job: a prompt (text or token ids), or a chat as `messages=[{"role": ...,
+        "content": ...}, ...]` that the worker renders with the model's chat template."""
+        spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
         entry = encode_job_entry(spec)
         entry_id = self._submit_script(
             keys=[self.keys.idem(spec.id), self.keys.jobs(model)],

@@ -84,16 +84,20 @@ class Gateway:
     # ------------------------------------------------------------------ submission
 
     async def submit(self, request: Request, model: str, prompts: list[str | list[int]],
-                     params: dict[str, Any]) -> list[str]:
-        """Check everything a producer can, then enqueue one job per prompt -> job ids."""
+                     params: dict[str, Any],
+                     messages: list[dict[str, str]] | None = None) -> list[str]:
+        """Check everything a producer can, then enqueue one job per prompt -> job ids. A chat
+        (`messages`, prompts empty) is one job; the worker applies the model's chat template."""
         await self.fleet.require_model(model, self.cfg.max_queue_depth)
         base = request.headers.get(JOB_ID_HEADER) or uuid.uuid4().hex
-        ids = [base] if len(prompts) == 1 else [f"{base}-{k}" for k in range(len(prompts))]
+        inputs: list[tuple[str | list[int] | None, list[dict[str, str]] | None]] = (
+            [(None, messages)] if messages is not None else [(p, None) for p in prompts])
+        ids = [base] if len(inputs) == 1 else [f"{base}-{k}" for k in range(len(inputs))]
         deadline = time.time() + self.cfg.timeout_s
-        for job_id, prompt in zip(ids, prompts, strict=True):
+        for job_id, (prompt, chat) in zip(ids, inputs, strict=True):
             self._keep(job_id)
             try:
-                spec = make_job_spec(prompt, params, model, job_id, deadline, True)
+                spec = make_job_spec(prompt, params, model, job_id, deadline, True, chat)
                 check_limits(spec, self.cfg.limits)
             except ProtocolError as exc:
                 raise GatewayError(400, exc.message, code=exc.code) from None
@@ -131,7 +135,8 @@ class Gateway:
         if req.stream and len(prompts) > 1:
             raise GatewayError(400, "stream: true takes one prompt; send one request per prompt",
                                param="prompt")
-        ids = await self.submit(request, req.model, prompts, params)
+        messages = req.wire_messages() if isinstance(req, oa.ChatCompletionRequest) else None
+        ids = await self.submit(request, req.model, prompts, params, messages)
         prefix = "chatcmpl-" if chat else "cmpl-"
         headers = {JOB_ID_HEADER: ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]}
         if req.stream:
@@ -290,10 +295,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: oa.ChatCompletionRequest, request: Request) -> Response:
-        req.to_params()  # bad params are a 400 before anything else
-        raise GatewayError(501, "chat completions need the worker to apply the model's chat "
-                           "template, and protocol v1 jobs have no 'messages' field yet; use "
-                           "/v1/completions", type_="not_implemented", code="not_implemented")
+        return await gateway.complete(request, req, [], chat=True)
 
     return app
 

@@ -201,6 +201,7 @@ class JobSpec:
     model: str
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None  # chat: the worker applies the chat template
     params: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
     created: float = 0.0
@@ -213,8 +214,10 @@ class JobSpec:
                                 "deadline": self.deadline, "stream": self.stream}
         if self.prompt is not None:
             wire["prompt"] = self.prompt
-        else:
+        if self.prompt_token_ids is not None:
             wire["prompt_token_ids"] = self.prompt_token_ids
+        if self.messages is not None:
+            wire["messages"] = self.messages
         return wire
 
 
@@ -223,6 +226,7 @@ _JOB_FIELDS: dict[str, tuple[Check, str]] = {
     "model": (_is_str, "str"),
     "prompt": (_is_str, "str"),
     "prompt_token_ids": (_list_of(_is_uint64), "list of int"),
+    "messages": (lambda v: isinstance(v, list), "list of maps"),
     "params": (lambda v: isinstance(v, dict), "map"),
     "seed": (_opt(_is_uint64), "int in [0, 2**63) or None"),
     "created": (_is_num, "number"),
@@ -302,18 +306,55 @@ def _job_from_map(obj: dict[Any, Any]) -> JobSpec:
         validate_name(obj["model"], "model name")
     except ProtocolError as exc:
         raise ProtocolError("unknown_model", str(exc), valid_id) from None
-    has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
-    if has_text == has_ids:
-        raise ProtocolError("missing_field", "a job needs exactly one of 'prompt' and "
-                            "'prompt_token_ids'", valid_id)
-    if (obj.get("prompt") == "") or (has_ids and not obj["prompt_token_ids"]):
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if name in obj]
+    if len(given) != 1:
+        raise ProtocolError("missing_field", "a job needs exactly one of 'prompt', "
+                            f"'prompt_token_ids' and 'messages' (got {len(given)}"
+                            f"{': ' + ', '.join(given) if given else ''})", valid_id)
+    if (obj.get("prompt") == "") or ("prompt_token_ids" in obj and not obj["prompt_token_ids"]):
         raise ProtocolError("bad_prompt", "the prompt is empty", valid_id)
+    messages = None if "messages" not in obj else check_messages(obj["messages"], valid_id)
     return JobSpec(id=valid_id, model=obj["model"], prompt=obj.get("prompt"),
-                   prompt_token_ids=obj.get("prompt_token_ids"),
+                   prompt_token_ids=obj.get("prompt_token_ids"), messages=messages,
                    params=check_params(obj["params"], valid_id), seed=obj.get("seed"),
                    created=float(obj.get("created", 0.0)),
                    deadline=None if obj.get("deadline") is None else float(obj["deadline"]),
                    stream=obj.get("stream", True))
+
+
+MESSAGE_FIELDS = ("role", "content")
+
+
+def check_messages(messages: object, job_id: str | None = None) -> list[dict[str, str]]:
+    """A chat: a non-empty list of {"role": str, "content": str} maps, nothing else in them."""
+    def bad(message: str) -> ProtocolError:
+        return ProtocolError("wrong_type", message, job_id)
+
+    if not isinstance(messages, list):
+        raise bad(f"job field 'messages' must be a list of maps, got {type(messages).__name__}")
+    if not messages:
+        raise ProtocolError("bad_prompt", "the chat has no messages", job_id)
+    out: list[dict[str, str]] = []
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad(f"messages[{k}] must be a map with 'role' and 'content', got "
+                      f"{type(message).__name__}")
+        unknown = sorted(str(key) for key in message if key not in MESSAGE_FIELDS)
+        if unknown:
+            raise ProtocolError("unknown_field", f"messages[{k}] has unknown field(s): "
+                                f"{', '.join(unknown)}; a message has only 'role' and "
+                                "'content'", job_id)
+        for name in MESSAGE_FIELDS:
+            if name not in message:
+                raise ProtocolError("missing_field", f"messages[{k}] needs the field {name!r}",
+                                    job_id)
+            if not isinstance(message[name], str):
+                raise bad(f"messages[{k}].{name} must be str, got "
+                          f"{type(message[name]).__name__}")
+        if not message["role"]:
+            raise bad(f"messages[{k}].role is empty")
+        out.append({"role": message["role"], "content": message["content"]})
+    return out
 
 
 @dataclass(frozen=True)
@@ -337,6 +378,11 @@ def check_limits(spec: JobSpec, limits: Limits) -> None:
     if spec.prompt is not None and len(spec.prompt.encode()) > limits.max_prompt_bytes:
         raise over(f"prompt is {len(spec.prompt.encode())} bytes, over the cap of "
                    f"{limits.max_prompt_bytes}")
+    if spec.messages is not None:
+        num_bytes = sum(len(m["content"].encode()) for m in spec.messages)
+        if num_bytes > limits.max_prompt_bytes:
+            raise over(f"the messages' contents are {num_bytes} bytes in all, over the prompt "
+                       f"cap of {limits.max_prompt_bytes}")
     if (limits.max_prompt_tokens is not None and spec.prompt_token_ids is not None
             and len(spec.prompt_token_ids) > limits.max_prompt_tokens):
         raise over(f"prompt has {len(spec.prompt_token_ids)} tokens, over the cap of "

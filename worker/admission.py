@@ -102,10 +102,41 @@ class Admission:
             params["seed"] = spec.seed
         return params
 
+    def _chat_token_ids(self, spec: JobSpec) -> list[int]:
+        """The model's chat template over the messages, with the assistant's turn opened. Token
+        ids, not text: the template already holds BOS, and the engine adds none to ids."""
+        assert spec.messages is not None
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ProtocolError("no_chat_template", f"the model served as "
+                                f"{self.cfg.served_model_name!r} has no chat template (its "
+                                "tokenizer_config.json sets no 'chat_template'), so it cannot "
+                                "take chat messages: send a prompt instead (/v1/completions), "
+                                "or serve a model whose tokenizer has a chat template", spec.id)
+        try:
+            ids: Any = self.tokenizer.apply_chat_template(
+                spec.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as exc:  # the template may raise (e.g. a role it does not accept)
+            raise ProtocolError("chat_template_error", "the model's chat template rejected "
+                                f"the messages: {type(exc).__name__}: {exc}"[:500],
+                                spec.id) from None
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
+            ids = ids[0]  # a batch of one
+        if (not isinstance(ids, list) or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise ProtocolError("chat_template_error", "the model's chat template gave "
+                                f"{type(ids).__name__} {str(ids)[:80]!r}, not a non-empty list "
+                                "of token ids", spec.id)
+        return [int(t) for t in ids]
+
     def _prompt(self, spec: JobSpec) -> str | list[int]:
-        if spec.prompt_token_ids is not None:
+        if spec.messages is not None:
+            prompt: str | list[int] = self._chat_token_ids(spec)
+            num_tokens = len(prompt)
+        elif spec.prompt_token_ids is not None:
             num_tokens = len(spec.prompt_token_ids)
-            prompt: str | list[int] = list(spec.prompt_token_ids)
+            prompt = list(spec.prompt_token_ids)
         else:
             assert spec.prompt is not None
             prompt = spec.prompt

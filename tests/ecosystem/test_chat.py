@@ -1,0 +1,214 @@
+"""/v1/chat/completions end to end: the official openai client -> a live gateway -> Redis -> a
+worker process that applies the served model's chat template -> the engine.
+
+The oracle is the offline engine (LLM.generate) on exactly the token ids that the tokenizer's
+`apply_chat_template(..., add_generation_prompt=True)` produces. The committed demo model has no
+chat template, so the chat model is a copy of it with a simple Jinja template added to its
+tokenizer_config.json (its generation prompt opens a `def`, so that this model trained on Python
+answers readable text rather than newlines); the unmodified model is served too, to answer the
+"no chat template" error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from producer.async_client import AsyncClient
+from producer.client import Client
+from tests.ecosystem.test_gateway import MODEL_DIR, GatewayProcess
+from tests.fleet.harness import RedisServer, WorkerFactory, wait_heartbeats
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\ndef{% endif %}")
+CHAT = [{"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "def main("}]
+Outputs = list[tuple[list[int], str, str | None]]
+Oracle = Callable[[list[dict[str, str]], dict[str, Any]], Outputs]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tmp_path_factory.mktemp("chat-model") / "genq-tiny-chat"
+    shutil.copytree(MODEL_DIR, model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    assert "chat_template" not in config, "the demo model grew a template: rethink the 400 test"
+    config["chat_template"] = TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2))
+    return model
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory,
+          chat_model: Path) -> Iterator[tuple[RedisServer, GatewayProcess]]:
+    tmp = tmp_path_factory.mktemp("chat-fleet")
+    server = RedisServer(tmp)
+    server.start()
+    workers = WorkerFactory(tmp)
+    gateway = None
+    try:
+        chat_worker = workers.start(server.url, chat_model, "chat-worker", served_name="chat")
+        plain_worker = workers.start(server.url, MODEL_DIR, "plain-worker", served_name="plain")
+        gateway = GatewayProcess(server.url, tmp / "gateway.log", "--resume-grace", "0.2")
+        wait_heartbeats(server, [chat_worker, plain_worker])
+        yield server, gateway
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        workers.stop_all()
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def client(fleet: tuple[RedisServer, GatewayProcess]) -> openai.OpenAI:
+    return fleet[1].openai()
+
+
+@pytest.fixture(scope="module")
+def template_ids(chat_model: Path) -> Callable[[list[dict[str, str]]], list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_model))
+
+    def ids(messages: list[dict[str, str]]) -> list[int]:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        assert isinstance(out, list) and all(isinstance(t, int) for t in out)
+        return out
+
+    return ids
+
+
+@pytest.fixture(scope="module")
+def offline(chat_model: Path,
+            template_ids: Callable[[list[dict[str, str]]], list[int]]) -> Oracle:
+    """(token ids, text, finish_reason) per sequence, from LLM.generate on the template's ids."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(chat_model), num_gpu_blocks_override=256, swap_space=0.01,
+              num_threads=1)
+
+    def run(messages: list[dict[str, str]], params: dict[str, Any]) -> Outputs:
+        [out] = llm.generate([template_ids(messages)], SamplingParams.from_dict(params),
+                             use_tqdm=False)
+        outputs = sorted(out.outputs, key=lambda c: c.index)
+        assert all(c.text.strip() for c in outputs), "an empty text would make the claim vacuous"
+        return [(list(c.token_ids), c.text, c.finish_reason) for c in outputs]
+
+    return run
+
+
+def test_the_template_renders_the_chat_and_opens_the_assistant_turn(
+        chat_model: Path, template_ids: Callable[[list[dict[str, str]]], list[int]]) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_model))
+    assert tokenizer.decode(template_ids(CHAT)) == (
+        "<|system|>You write Python.\n<|user|>def main(\n<|assistant|>\ndef")
+
+
+def test_greedy_chat_equals_the_offline_engine_on_the_template_ids(
+        client: openai.OpenAI, offline: Oracle,
+        template_ids: Callable[[list[dict[str, str]]], list[int]]) -> None:
+    resp = client.chat.completions.create(model="chat", messages=CHAT,  # type: ignore[arg-type]
+                                          max_tokens=12, temperature=0)
+    [(token_ids, text, reason)] = offline(CHAT, {"max_tokens": 12, "temperature": 0})
+    assert resp.object == "chat.completion" and resp.model == "chat"
+    assert resp.id.startswith("chatcmpl-")
+    assert [(c.index, c.message.role, c.message.content, c.finish_reason)
+            for c in resp.choices] == [(0, "assistant", text, reason)]
+    assert resp.usage is not None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (
+        len(template_ids(CHAT)), len(token_ids))
+
+
+def test_streamed_chat_chunks_concatenate_to_the_offline_text(client: openai.OpenAI,
+                                                              offline: Oracle) -> None:
+    [(token_ids, text, reason)] = offline(CHAT, {"max_tokens": 12, "temperature": 0})
+    chunks = list(client.chat.completions.create(
+        model="chat", messages=CHAT, max_completion_tokens=12,  # type: ignore[arg-type]
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == text
+    assert [c.choices[0].finish_reason for c in with_choices][-1] == reason
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(token_ids)
+
+
+def test_seeded_n2_chat_equals_the_offline_engine_streamed_or_not(client: openai.OpenAI,
+                                                                  offline: Oracle) -> None:
+    params = {"n": 2, "temperature": 0.9, "seed": 1234, "max_tokens": 10}
+    expected = [(text, reason) for _ids, text, reason in offline(CHAT, params)]
+    assert expected[0] != expected[1], "two equal samples would make the claim weak"
+    resp = client.chat.completions.create(model="chat", messages=CHAT,  # type: ignore[arg-type]
+                                          n=2, temperature=0.9, seed=1234, max_tokens=10)
+    assert [(c.message.content, c.finish_reason) for c in
+            sorted(resp.choices, key=lambda c: c.index)] == expected
+    texts = ["", ""]
+    reasons: list[str | None] = [None, None]
+    for chunk in client.chat.completions.create(
+            model="chat", messages=CHAT, n=2, temperature=0.9,  # type: ignore[arg-type]
+            seed=1234, max_tokens=10, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert list(zip(texts, reasons, strict=True)) == expected
+
+
+def test_a_stop_string_ends_the_chat_where_the_offline_engine_does(client: openai.OpenAI,
+                                                                   offline: Oracle) -> None:
+    [(_ids, full, _reason)] = offline(CHAT, {"max_tokens": 12, "temperature": 0})
+    stop = "(self"
+    assert stop in full, full
+    [(_ids, text, reason)] = offline(CHAT, {"max_tokens": 12, "temperature": 0, "stop": [stop]})
+    assert reason == "stop" and stop not in text
+    resp = client.chat.completions.create(model="chat", messages=CHAT,  # type: ignore[arg-type]
+                                          max_tokens=12, temperature=0, stop=stop)
+    assert [(c.message.content, c.finish_reason) for c in resp.choices] == [(text, "stop")]
+
+
+def test_a_model_without_a_chat_template_is_a_400_that_says_so(client: openai.OpenAI) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="plain", messages=CHAT,  # type: ignore[arg-type]
+                                           max_tokens=4, stream=stream)
+        assert (err.value.status_code, err.value.code) == (400, "no_chat_template")
+        assert err.value.body["message"] == (  # type: ignore[index]
+            "the model served as 'plain' has no chat template (its tokenizer_config.json sets no "
+            "'chat_template'), so it cannot take chat messages: send a prompt instead "
+            "(/v1/completions), or serve a model whose tokenizer has a chat template")
+    # the same worker still serves prompts
+    resp = client.completions.create(model="plain", prompt="def main(", max_tokens=4,
+                                     temperature=0)
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_client_and_async_client_submit_messages(fleet: tuple[RedisServer, GatewayProcess],
+                                                 offline: Oracle) -> None:
+    server = fleet[0]
+    params = {"max_tokens": 8, "temperature": 0}
+    [expected] = offline(CHAT, params)
+    with Client(server.url) as sync_client:
+        result = sync_client.submit(messages=CHAT, params=params, model="chat").result(120)
+    assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in result["outputs"]] == [
+        expected]
+
+    async def run() -> dict[str, Any]:
+        async with AsyncClient(server.url) as async_client:
+            job = await async_client.submit(params=params, model="chat", messages=CHAT)
+            return await job.result(120)
+
+    result = asyncio.run(run())
+    assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in result["outputs"]] == [
+        expected]
