@@ -24,6 +24,8 @@ class WorkerConfig:
     block_ms: int = 500  # XREADGROUP BLOCK when idle
     cancel_poll_interval: float = 1.0  # seconds between cancel-key sweeps (pub/sub can miss)
     limits: Limits = field(default_factory=Limits)
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off
+    metrics_host: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         validate_name(self.served_model_name, "served model name")
@@ -40,6 +42,9 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be at least 1 second, got {getattr(self, name)}")
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0 (off) or a TCP port, got "
+                             f"{self.metrics_port}")
         if self.block_ms < 1:
             raise ValueError(f"block_ms must be at least 1, got {self.block_ms}")
 

@@ -22,7 +22,8 @@ log = logging.getLogger("genq.worker")
 
 class Heartbeat(threading.Thread):
     def __init__(self, conn: redis.Redis, key: str, ttl: float, interval: float,
-                 info: Callable[[], dict[str, Any]], jobs_key: str, stream_ttl: int) -> None:
+                 info: Callable[[], dict[str, Any]], jobs_key: str, stream_ttl: int,
+                 sample: Callable[[redis.Redis], None] | None = None) -> None:
         super().__init__(name="genq-heartbeat", daemon=True)
         self.conn = conn
         self.key = key
@@ -31,6 +32,7 @@ class Heartbeat(threading.Thread):
         self.info = info
         self.jobs_key = jobs_key
         self.stream_ttl = stream_ttl
+        self.sample = sample  # e.g. metrics: queue lag, sampled after each beat
         self._halt = threading.Event()
 
     def beat(self) -> None:
@@ -46,6 +48,12 @@ class Heartbeat(threading.Thread):
                 self.beat()
             except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
                 log.warning("heartbeat failed: %s", exc)
+                continue
+            if self.sample is not None:
+                try:
+                    self.sample(self.conn)
+                except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+                    log.debug("metrics sample failed: %s", exc)
 
     def stop(self, delete: bool = True) -> None:
         self._halt.set()

@@ -29,6 +29,7 @@ from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat
 from worker.io_thread import Batch, EventWrite, FinishWrite, Writer
 from worker.jobs import ActiveJob, terminal_event, token_events
+from worker.metrics import MetricsServer, WorkerMetrics
 from worker.reader import RETRYABLE, Entry, JobReader
 from worker.scripts import flatten_fields
 
@@ -51,9 +52,15 @@ class Worker:
         self.max_num_seqs = int(engine.config.max_num_seqs)
         self.writer = Writer(self.conn, self.jobs_key, self.keys.dead(cfg.served_model_name),
                              self.keys.group, self.me, cfg.result_ttl, cfg.dead_ttl)
+        self.metrics = WorkerMetrics(cfg.served_model_name, self.me, self.jobs_key,
+                                     self.keys.group)
+        self.metrics.read_stats_from(lambda: (self._stats, len(self.jobs) + self.num_finishing))
+        self.metrics_server: MetricsServer | None = None
+        self._last_tokens_at: dict[str, float] = {}  # entry id -> monotonic time of last tokens
         self.heartbeat = Heartbeat(self.conn, self.keys.worker(self.me), cfg.heartbeat_ttl,
                                    cfg.heartbeat_interval, self._heartbeat_info, self.jobs_key,
-                                   cfg.stream_ttl)
+                                   cfg.stream_ttl,
+                                   sample=self.metrics.sample if cfg.metrics_port else None)
         self.cancels = CancelListener(cfg.redis_url, self.keys.cancel_channel)
         self.jobs: dict[str, ActiveJob] = {}  # entry id -> the attempt running in the engine
         self.by_job_id: dict[str, str] = {}  # job id -> entry id
@@ -75,6 +82,12 @@ class Worker:
     def run(self) -> int:
         self.reader.ensure_group(wait=True)
         self._stats = self.engine.stats()
+        if self.cfg.metrics_port:
+            self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.metrics_host,
+                                                self.cfg.metrics_port)
+            self.metrics_server.start()
+            log.info("metrics at http://%s:%d/metrics", self.cfg.metrics_host,
+                     self.metrics_server.port)
         try:
             self.heartbeat.beat()
         except RETRYABLE as exc:  # the heartbeat thread keeps trying
@@ -104,6 +117,7 @@ class Worker:
                      b"a": str(job.attempt).encode()}
             self._finish(job, None, batch, readd_fields=flatten_fields(readd))
             self.counters["handed_back"] += 1
+            self.metrics.jobs_finished.inc(outcome="handed_back")
         self.writer.submit(batch)
         if not self.writer.flush(timeout=_FINAL_FLUSH_S):
             log.warning("Redis did not take the last writes within %.0f s; the unacked jobs "
@@ -112,6 +126,8 @@ class Worker:
             self.writer.stop()
         self.cancels.stop()
         self.heartbeat.stop(delete=True)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         log.info("worker %s stopped: %s", self.me, self.counters)
 
     # ------------------------------------------------------------------ one iteration
@@ -192,6 +208,7 @@ class Worker:
     def _reject(self, r: Rejection, batch: Batch) -> None:
         log.info("rejected entry %s (%s): %s", r.entry_id, r.code, r.message)
         self.counters["rejected"] += 1
+        self.metrics.jobs_finished.inc(outcome="cancelled" if r.code == "cancelled" else "rejected")
         dead: list[object] = []
         if r.dead:
             dead = ["reason", r.message, "code", r.code, "entry", r.entry_id, "worker", self.me]
@@ -206,22 +223,38 @@ class Worker:
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         batch = Batch()
+        now = time.monotonic()
+        m = self.metrics
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue
+            sent_before = sum(job.sent_tokens.values())
+            had_first = job.first_token_at is not None
             events = token_events(job, out)
+            new_tokens = sum(job.sent_tokens.values()) - sent_before
+            if new_tokens > 0:
+                m.tokens.inc(new_tokens)
+                if not had_first and job.first_token_at is not None:
+                    m.ttft.observe(job.first_token_at - job.admitted_at)
+                elif job.entry_id in self._last_tokens_at:
+                    m.itl.observe(now - self._last_tokens_at[job.entry_id])
+                self._last_tokens_at[job.entry_id] = now
             if events:
                 batch.events.append(EventWrite(job.entry_id, job.deliveries, job.reply_key,
                                                events))
             if out.finished:
                 self.counters["completed"] += 1
+                failed = out.error is not None or any(c.finish_reason == "error"
+                                                     for c in out.outputs)
+                m.jobs_finished.inc(outcome="engine_error" if failed else "done")
                 self._finish(job, terminal_event(job, out), batch)
         self.writer.submit(batch)
 
     def _finish(self, job: ActiveJob, event: bytes | None, batch: Batch,
                 readd_fields: list[object] | None = None) -> None:
         self.jobs.pop(job.entry_id, None)
+        self._last_tokens_at.pop(job.entry_id, None)
         if self.by_job_id.get(job.job_id) == job.entry_id:
             del self.by_job_id[job.job_id]
         self.num_finishing += 1
@@ -230,6 +263,7 @@ class Worker:
 
     def _end_early(self, job: ActiveJob, code: str, message: str) -> None:
         self.engine.abort(job.entry_id)
+        self.metrics.jobs_finished.inc(outcome=code)
         batch = Batch()
         self._finish(job, encode_event(error_event(job.attempt, code, message)), batch)
         self.writer.submit(batch)
@@ -242,6 +276,7 @@ class Worker:
         while not self.writer.lost.empty():
             entry_id = self.writer.lost.get()
             job = self.jobs.pop(entry_id, None)
+            self._last_tokens_at.pop(entry_id, None)
             if job is not None:  # reclaimed by another worker while we were away: stop it
                 log.warning("job %s (entry %s) is no longer ours; aborting it", job.job_id,
                             entry_id)
@@ -249,6 +284,7 @@ class Worker:
                 if self.by_job_id.get(job.job_id) == entry_id:
                     del self.by_job_id[job.job_id]
                 self.counters["lost"] += 1
+                self.metrics.jobs_finished.inc(outcome="lost")
 
     def _apply_cancels(self) -> None:
         ids: set[str] = set()

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-attempts", type=int, default=3)
     r.add_argument("--result-ttl", type=int, default=3600, help="reply stream TTL (s)")
     r.add_argument("--drain-timeout", type=float, default=30.0)
+    m = p.add_argument_group("metrics")
+    m.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
+    m.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics server binds")
     c = p.add_argument_group("payload caps")
     c.add_argument("--max-job-bytes", type=int, default=Limits.max_job_bytes)
     c.add_argument("--max-prompt-bytes", type=int, default=Limits.max_prompt_bytes)
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                            device=args.device, heartbeat_ttl=args.heartbeat_ttl,
                            reclaim_interval=args.reclaim_interval, max_attempts=args.max_attempts,
                            result_ttl=args.result_ttl, drain_timeout=args.drain_timeout,
-                           limits=limits)
+                           limits=limits, metrics_port=args.metrics_port,
+                           metrics_host=args.metrics_host)
     except ValueError as exc:
         print(f"genq worker: {exc}", file=sys.stderr)
         return 2

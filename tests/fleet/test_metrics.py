@@ -1,0 +1,198 @@
+"""Prometheus metrics: a real worker process with --metrics-port, scraped over HTTP and parsed
+by a small text-format parser of the test's own (prometheus_client is not a dependency)."""
+
+from __future__ import annotations
+
+import math
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from producer import Client, JobError
+from tests.fleet.harness import (
+    RedisServer,
+    WorkerFactory,
+    free_port,
+    reply_events,
+    wait_for,
+    wait_heartbeats,
+)
+from worker.metrics import Registry
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(?:,|$)')
+HISTOGRAMS = ("genq_worker_time_to_first_token_seconds", "genq_worker_inter_token_latency_seconds")
+
+
+class Scrape:
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.help: dict[str, str] = {}
+        self.type: dict[str, str] = {}
+        self.samples: Samples = {}
+        self.order: list[tuple[str, dict[str, str], float]] = []
+        for line in text.splitlines():
+            if line.startswith("# HELP "):
+                name, _, doc = line[7:].partition(" ")
+                assert name not in self.help, f"two HELP lines for {name}"
+                self.help[name] = doc
+            elif line.startswith("# TYPE "):
+                name, _, kind = line[7:].partition(" ")
+                assert kind in ("counter", "gauge", "histogram", "summary", "untyped"), line
+                assert name in self.help and name not in self.type, f"TYPE out of place: {line}"
+                self.type[name] = kind
+            else:
+                m = _SAMPLE.match(line)
+                assert m, f"not a sample line: {line!r}"
+                name, raw_labels, value = m.groups()
+                labels: dict[str, str] = {}
+                if raw_labels:
+                    pairs = _LABEL.findall(raw_labels)
+                    assert ",".join(f'{k}="{v}"' for k, v in pairs) == raw_labels, line
+                    labels = {k: re.sub(r"\\(.)", lambda c: {"n": "\n"}.get(c[1], c[1]), v)
+                              for k, v in pairs}
+                family = re.sub(r"_(bucket|sum|count)$", "", name)
+                family = family if family in self.type else name
+                assert family in self.type, f"sample before its TYPE: {line}"
+                self.order.append((name, labels, float(value)))
+                key = (name, tuple(sorted(labels.items())))
+                assert key not in self.samples, f"duplicate sample {line}"
+                self.samples[key] = float(value)
+
+    def get(self, name: str, **labels: str) -> float:
+        full = {"model": "tiny", "worker": "metered", **labels}
+        return self.samples[(name, tuple(sorted(full.items())))]
+
+    def has(self, name: str, **labels: str) -> bool:
+        full = {"model": "tiny", "worker": "metered", **labels}
+        return (name, tuple(sorted(full.items()))) in self.samples
+
+    def buckets(self, name: str) -> list[tuple[float, float]]:
+        return [(float(lab["le"]), v) for n, lab, v in self.order if n == f"{name}_bucket"]
+
+    def check_format(self) -> None:
+        assert self.text.endswith("\n")
+        for name, kind in self.type.items():
+            if kind == "counter":
+                assert name.endswith("_total"), name
+        for name in HISTOGRAMS:
+            assert self.type[name] == "histogram"
+            buckets = self.buckets(name)
+            bounds = [b for b, _ in buckets]
+            assert bounds == sorted(bounds) and bounds[-1] == math.inf
+            counts = [c for _, c in buckets]
+            assert counts == sorted(counts), f"{name} buckets not cumulative: {counts}"
+            assert counts[-1] == self.get(f"{name}_count")
+
+
+def scrape(port: int) -> Scrape:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        result = Scrape(resp.read().decode())
+    result.check_format()
+    return result
+
+
+def test_metrics_count_exactly_what_the_worker_did(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path) -> None:
+    port = free_port()
+    proc = workers.start(redis_server.url, tiny_llama, "metered", "--max-num-seqs", "1",
+                         "--metrics-port", str(port))
+    wait_heartbeats(redis_server, [proc])
+    first = wait_for(lambda: scrape(port).has("genq_queue_lag") and scrape(port), timeout=10,
+                     what="a first queue lag sample")
+    assert first.get("genq_engine_total_kv_blocks") == 256
+    assert first.get("genq_engine_free_kv_blocks") == 256
+    assert first.get("genq_engine_kv_cache_usage_ratio") == 0
+    for name in ("running", "waiting", "swapped"):
+        assert first.get(f"genq_engine_{name}_requests") == 0
+    assert first.get("genq_worker_generated_tokens_total") == 0
+    assert first.get("genq_worker_time_to_first_token_seconds_count") == 0
+    assert first.get("genq_queue_lag") == 0 and first.get("genq_queue_pending") == 0
+    assert not any(n == "genq_worker_jobs_finished_total" for n, _ in first.samples)
+
+    # One slot: a long job holds it while three more wait in the stream (exactly 3 lag).
+    client = Client(redis_server.url)
+    long_job = client.submit("the quick brown", {"temperature": 0, "max_tokens": 500,
+                                                 "ignore_eos": True}, model="tiny")
+    stream = long_job.stream(timeout=60)
+    assert next(stream)["type"] == "started"
+    assert next(stream)["type"] == "tokens"
+    short = [client.submit(f"prompt number {i}", {"temperature": 0, "max_tokens": 3 + i},
+                           model="tiny") for i in range(3)]
+    busy = wait_for(lambda: (s := scrape(port)).get("genq_queue_lag") == 3 and s, timeout=20,
+                    what="queue lag 3 while the long job holds the only slot")
+    assert busy.get("genq_queue_pending") == 1
+    assert busy.get("genq_engine_running_requests") == 1
+    assert busy.get("genq_worker_held_jobs") == 1
+    assert busy.get("genq_engine_kv_cache_usage_ratio") > 0
+    assert busy.get("genq_worker_time_to_first_token_seconds_count") == 1
+    long_job.cancel()
+    with pytest.raises(JobError) as exc:
+        long_job.result(timeout=30)
+    assert exc.value.code == "cancelled"
+    results = [job.result(timeout=60) for job in short]
+
+    idle = wait_for(lambda: (s := scrape(port)).get("genq_worker_held_jobs") == 0
+                    and s.get("genq_queue_lag") == 0 and s.get("genq_queue_pending") == 0 and s,
+                    timeout=20, what="an idle worker and an empty queue in the metrics")
+    jobs = [long_job, *short]
+    tokens_events = [e for job in jobs for e in reply_events(redis_server, job.id)
+                     if e["type"] == "tokens"]
+    streamed = sum(len(e["token_ids"]) for e in tokens_events)
+    assert sum(r["usage"]["completion_tokens"] for r in results) == sum(
+        len(e["token_ids"]) for job in short for e in reply_events(redis_server, job.id)
+        if e["type"] == "tokens")
+    assert idle.get("genq_worker_generated_tokens_total") == streamed
+    assert idle.get("genq_worker_jobs_finished_total", outcome="done") == 3
+    assert idle.get("genq_worker_jobs_finished_total", outcome="cancelled") == 1
+    assert sum(v for (n, _), v in idle.samples.items()
+               if n == "genq_worker_jobs_finished_total") == 4
+    # One first token per job; one inter-token gap per later step that gave a job tokens, and
+    # a step gives an n=1 job exactly one token (the writer may coalesce events, so count tokens).
+    assert idle.get("genq_worker_time_to_first_token_seconds_count") == 4
+    assert idle.get("genq_worker_inter_token_latency_seconds_count") == streamed - 4
+    ttft_done = sum(r["timing"]["ttft_s"] for r in results)
+    assert idle.get("genq_worker_time_to_first_token_seconds_sum") >= ttft_done - 1e-9
+    for name in ("running", "waiting", "swapped"):
+        assert idle.get(f"genq_engine_{name}_requests") == 0
+    assert idle.get("genq_engine_free_kv_blocks") == 256
+    assert idle.get("genq_engine_kv_cache_usage_ratio") == 0
+    assert idle.get("genq_engine_preemptions_total", mode="recompute") == 0
+    assert idle.get("genq_engine_preemptions_total", mode="swap") == 0
+    assert idle.get("genq_engine_swaps_total", direction="out") == 0
+    assert idle.get("genq_engine_swaps_total", direction="in") == 0
+    assert idle.get("genq_worker_generated_tokens_per_second") >= 0
+    assert proc.terminate() == 0
+
+
+def test_rendering_is_the_text_format_exactly() -> None:
+    reg = Registry({"model": 'a"b\\c\nd'})
+    c = reg.counter("x_total", "line one\nline \\ two", ["k"])
+    c.inc(2, k="v")
+    c.inc(0.5, k="v")
+    h = reg.histogram("lat_seconds", "latency", [0.1, 1.0])
+    for value in (0.05, 0.1, 0.5, 3.0):
+        h.observe(value)
+    reg.gauge("g", "a gauge").set(-1.5)
+    with pytest.raises(ValueError):
+        c.inc(-1, k="v")
+    with pytest.raises(ValueError):
+        c.inc(1)  # the label is missing
+    labels = 'model="a\\"b\\\\c\\nd"'
+    assert reg.render() == "\n".join([
+        "# HELP x_total line one\\nline \\\\ two", "# TYPE x_total counter",
+        f'x_total{{{labels},k="v"}} 2.5',
+        "# HELP lat_seconds latency", "# TYPE lat_seconds histogram",
+        f'lat_seconds_bucket{{{labels},le="0.1"}} 2',
+        f'lat_seconds_bucket{{{labels},le="1"}} 3',
+        f'lat_seconds_bucket{{{labels},le="+Inf"}} 4',
+        f"lat_seconds_sum{{{labels}}} 3.65",
+        f"lat_seconds_count{{{labels}}} 4",
+        "# HELP g a gauge", "# TYPE g gauge", f"g{{{labels}}} -1.5", ""])
+    parsed = Scrape(reg.render())
+    assert parsed.samples[("x_total", (("k", "v"), ("model", 'a"b\\c\nd')))] == 2.5
