@@ -29,7 +29,7 @@ demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check engine worker producer tests benchmarks
-	$(VENV)/bin/mypy engine
+	$(VENV)/bin/mypy engine worker producer
 
 test: setup lint
 	$(VPY) -m pytest -q -x tests
