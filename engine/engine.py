@@ -163,7 +163,7 @@ class Engine:
                     [] if group.params.ignore_eos else sorted(self.eos_token_ids))
             for index in fan_out:
                 rows.append(SampleRow(group.params, group.seed, index, seq.num_output_tokens,
-                                      group.prompt_token_ids, seq.output_token_ids, banned))
+                                      seq.token_ids, seq.num_prompt_tokens, banned))
                 owners.append((group, seq, index))
                 row_index.append(r)
         if rows:

@@ -26,8 +26,8 @@ class SampleRow:
     seed: int
     seq_index: int
     position: int  # index of the output token being drawn
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # the sequence's prompt and outputs (a reference, not a copy)
+    num_prompt_tokens: int
     banned_token_ids: list[int] | None = None  # EOS and stop ids while under min_tokens
 
 
@@ -100,8 +100,8 @@ def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> t
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab, dev = logits.shape[1], logits.device
-    out_counts = _counts([r.output_token_ids for r in rows], vocab, dev)
-    prompt_seen = _counts([r.prompt_token_ids for r in rows], vocab, dev) > 0
+    out_counts = _counts([r.token_ids[r.num_prompt_tokens:] for r in rows], vocab, dev)
+    prompt_seen = _counts([r.token_ids[:r.num_prompt_tokens] for r in rows], vocab, dev) > 0
     rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
     seen = prompt_seen | (out_counts > 0)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
