@@ -16,6 +16,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 SCHEMA = ROOT.parent / "shared" / "compose-spec.json"
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
 REDIS_URL = "redis://redis:6379/0"
 
 
@@ -57,8 +58,8 @@ def test_compose_file_validates_against_the_compose_spec_schema(compose: dict) -
     assert [e.message for e in errors] == []
 
 
-def test_the_fleet_is_redis_workers_and_a_gateway(services: dict) -> None:
-    assert sorted(services) == ["gateway", "redis", "worker"]
+def test_the_fleet_is_redis_workers_a_gateway_and_prometheus(services: dict) -> None:
+    assert sorted(services) == ["gateway", "prometheus", "redis", "worker"]
 
 
 def test_redis_persists_every_second_and_never_evicts_jobs(services: dict) -> None:
@@ -92,8 +93,9 @@ def test_worker_command_serves_the_demo_model_on_cuda_with_a_drain_timeout(servi
     assert flag(args, "--device") == '"$GENQ_DEVICE"'
     assert flag(args, "--drain-timeout") == '"$GENQ_DRAIN_TIMEOUT"'
     assert flag(args, "--name") == '"${GENQ_WORKER_NAME:-$(hostname)}"'
-    assert (env["GENQ_MODEL"], env["GENQ_DEVICE"], env["GENQ_DRAIN_TIMEOUT"]) == (
-        "/models/genq-tiny-stdlib", "cuda", "30")
+    assert flag(args, "--metrics-port") == '"$GENQ_METRICS_PORT"'
+    assert (env["GENQ_MODEL"], env["GENQ_DEVICE"], env["GENQ_DRAIN_TIMEOUT"],
+            env["GENQ_METRICS_PORT"]) == ("/models/genq-tiny-stdlib", "cuda", "30", "9400")
 
 
 def test_worker_grace_period_outlasts_its_drain(services: dict) -> None:
@@ -132,6 +134,50 @@ def test_worker_and_gateway_share_one_image_built_from_the_dockerfile(services: 
     assert "/models/genq-tiny-stdlib" in dockerfile
 
 
+def test_worker_exposes_its_metrics_port_on_the_compose_network_only(services: dict) -> None:
+    from worker.main import build_parser
+
+    worker = services["worker"]
+    port = worker["environment"]["GENQ_METRICS_PORT"]
+    assert worker["expose"] == [port]  # reachable by prometheus, never published on the host
+    # The metrics server binds every interface by default, so other containers can reach it.
+    assert build_parser().parse_args(["--model", "m"]).metrics_host == "0.0.0.0"
+
+
+@pytest.fixture(scope="module")
+def prometheus_config() -> dict:
+    assert PROMETHEUS_CONFIG.is_file(), f"{PROMETHEUS_CONFIG} is missing"
+    return yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+
+
+def test_prometheus_mounts_the_scrape_config_it_is_told_to_read(services: dict) -> None:
+    prometheus = services["prometheus"]
+    assert prometheus["image"].startswith("prom/prometheus:v3.")
+    [config_flag] = [a for a in prometheus["command"] if a.startswith("--config.file=")]
+    target = config_flag.split("=", 1)[1]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in prometheus["volumes"]}
+    assert mounts[target] == "./deploy/prometheus.yml"
+    assert (ROOT / mounts[target]).resolve() == PROMETHEUS_CONFIG
+    assert prometheus["volumes"][0].endswith(":ro")
+    assert prometheus["ports"] == ["127.0.0.1:9090:9090"]
+    assert prometheus["depends_on"] == ["worker"]
+
+
+def test_prometheus_scrapes_every_worker_replica_on_the_metrics_port(
+        services: dict, prometheus_config: dict) -> None:
+    port = int(services["worker"]["environment"]["GENQ_METRICS_PORT"])
+    [job] = prometheus_config["scrape_configs"]
+    assert job["job_name"] == "genq-worker"
+    assert job["metrics_path"] == "/metrics"  # the path worker/metrics.py serves
+    assert "static_configs" not in job
+    # DNS service discovery on the compose service name: one A record per `--scale` replica.
+    [sd] = job["dns_sd_configs"]
+    assert sd["names"] == ["worker"] and "worker" in services
+    assert (sd["type"], sd["port"]) == ("A", port)
+    assert parse_duration(sd["refresh_interval"]) == 10.0
+    assert parse_duration(prometheus_config["global"]["scrape_interval"]) == 5.0
+
+
 def _docker_compose_available() -> bool:
     if shutil.which("docker") is None:
         return False
@@ -146,5 +192,5 @@ def test_docker_compose_config_accepts_the_file() -> None:
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     resolved = json.loads(out.stdout)["services"]
-    assert sorted(resolved) == ["gateway", "redis", "worker"]
+    assert sorted(resolved) == ["gateway", "prometheus", "redis", "worker"]
     assert resolved["redis"]["command"][0] == "redis-server"
