@@ -39,7 +39,8 @@ _MAX_EARLY_CANCELS = 10_000
 
 
 class Worker:
-    def __init__(self, engine: Any, cfg: WorkerConfig) -> None:
+    def __init__(self, engine: Any, cfg: WorkerConfig,
+                 metrics_server: MetricsServer | None = None) -> None:
         self.engine = engine
         self.cfg = cfg
         self.keys = Keys(cfg.prefix)
@@ -55,7 +56,7 @@ class Worker:
         self.metrics = WorkerMetrics(cfg.served_model_name, self.me, self.jobs_key,
                                      self.keys.group)
         self.metrics.read_stats_from(lambda: (self._stats, len(self.jobs) + self.num_finishing))
-        self.metrics_server: MetricsServer | None = None
+        self.metrics_server = metrics_server  # bound already (genq worker), or bound in run()
         self._last_tokens_at: dict[str, float] = {}  # entry id -> monotonic time of last tokens
         self.heartbeat = Heartbeat(self.conn, self.keys.worker(self.me), cfg.heartbeat_ttl,
                                    cfg.heartbeat_interval, self._heartbeat_info, self.jobs_key,
@@ -83,8 +84,10 @@ class Worker:
         self.reader.ensure_group(wait=True)
         self._stats = self.engine.stats()
         if self.cfg.metrics_port:
-            self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.metrics_host,
-                                                self.cfg.metrics_port)
+            if self.metrics_server is None:
+                self.metrics_server = MetricsServer(self.metrics.registry, self.cfg.metrics_host,
+                                                    self.cfg.metrics_port)
+            self.metrics_server.registry = self.metrics.registry
             self.metrics_server.start()
             log.info("metrics at http://%s:%d/metrics", self.cfg.metrics_host,
                      self.metrics_server.port)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import re
@@ -14,6 +15,7 @@ from types import FrameType
 
 from producer.protocol import DEFAULT_PREFIX, Limits
 from worker.config import WorkerConfig
+from worker.metrics import MetricsServer, Registry
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +65,14 @@ def default_name() -> str:
     return re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:128] or "worker"
 
 
+def metrics_bind_error(host: str, port: int, exc: OSError) -> str:
+    """One line saying why the metrics server could not bind, and what to do about it."""
+    if exc.errno == errno.EADDRINUSE:
+        return (f"--metrics-port {port} is already in use on {host}: pick a free port, stop the "
+                "process that holds it, or pass --metrics-port 0 to serve no metrics")
+    return f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -83,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"genq worker: {exc}", file=sys.stderr)
         return 2
+    # Bind the metrics port before loading the model: a taken port fails in a second, not after
+    # minutes of loading weights.
+    metrics_server = None
+    if cfg.metrics_port:
+        try:
+            metrics_server = MetricsServer(Registry(), cfg.metrics_host, cfg.metrics_port)
+        except OSError as exc:
+            print(f"genq worker: {metrics_bind_error(cfg.metrics_host, cfg.metrics_port, exc)}",
+                  file=sys.stderr)
+            return 1
 
     from engine.config import EngineConfig
     from engine.engine import Engine
@@ -94,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, seed=args.seed,
         num_threads=args.num_threads))
-    worker = Worker(engine, cfg)
+    worker = Worker(engine, cfg, metrics_server=metrics_server)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         worker.request_stop()

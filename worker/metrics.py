@@ -201,17 +201,19 @@ class Registry:
 
 
 class MetricsServer:
-    """GET /metrics on a daemon thread."""
+    """GET /metrics on a daemon thread. The socket is bound at construction (so `genq worker`
+    can fail on a taken port before it loads a model); `registry` may be swapped before start."""
 
     def __init__(self, registry: Registry, host: str, port: int) -> None:
-        reg = registry
+        self.registry = registry
+        server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 if self.path.split("?", 1)[0] not in ("/metrics", "/metrics/"):
                     self.send_error(404, "try /metrics")
                     return
-                body = reg.render().encode()
+                body = server.registry.render().encode()
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE)
                 self.send_header("Content-Length", str(len(body)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -196,3 +197,22 @@ def test_rendering_is_the_text_format_exactly() -> None:
         "# HELP g a gauge", "# TYPE g gauge", f"g{{{labels}}} -1.5", ""])
     parsed = Scrape(reg.render())
     assert parsed.samples[("x_total", (("k", "v"), ("model", 'a"b\\c\nd')))] == 2.5
+
+
+def test_a_taken_metrics_port_stops_the_worker_with_one_line_before_it_loads_the_model(
+        redis_server: RedisServer, workers: WorkerFactory, tmp_path: Path) -> None:
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        # No model at this path: the worker must fail on the port before it tries to load one.
+        proc = workers.start(redis_server.url, tmp_path / "never-loaded", "clash",
+                             "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+        assert proc.proc.wait(timeout=60) == 1
+    finally:
+        holder.close()
+    assert proc.output() == (
+        f"genq worker: --metrics-port {port} is already in use on 127.0.0.1: pick a free port, "
+        "stop the process that holds it, or pass --metrics-port 0 to serve no metrics\n")
+    assert redis_server.client().keys("genq:*") == []  # it never reached Redis either
