@@ -59,8 +59,13 @@ def add_redis_args(parser: argparse.ArgumentParser) -> None:
 def submit_main(argv: list[str]) -> int:
     from producer.client import Client, JobError
 
-    parser = argparse.ArgumentParser(prog="genq submit", description="submit one job")
-    parser.add_argument("prompt")
+    parser = argparse.ArgumentParser(prog="genq submit", description="submit one job: a "
+                                     "prompt, or a chat with --messages")
+    parser.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    parser.add_argument("--messages", default=None, metavar="JSON_OR_FILE",
+                        help='a chat instead of a prompt: a JSON list of {"role", "content"} '
+                             "maps, inline or in a file ('-': stdin); the worker applies the "
+                             "model's chat template")
     parser.add_argument("--model", required=True, help="served model name")
     add_redis_args(parser)
     parser.add_argument("--n", type=int, default=None)
@@ -74,13 +79,21 @@ def submit_main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", action="store_true", help="print the done event as JSON")
     args = parser.parse_args(argv)
+    if (args.prompt is None) == (args.messages is None):
+        parser.error("give a prompt or --messages, not both")
+    try:
+        messages = None if args.messages is None else load_messages(args.messages)
+    except ValueError as exc:
+        print(f"genq submit: {exc}", file=sys.stderr)
+        return 2
     params = {k: v for k, v in (("n", args.n), ("max_tokens", args.max_tokens),
                                 ("temperature", args.temperature), ("top_p", args.top_p),
                                 ("top_k", args.top_k), ("seed", args.seed), ("stop", args.stop))
               if v is not None}
     with Client(args.redis, prefix=args.prefix) as client:
         try:
-            job = client.submit(args.prompt, params, model=args.model, job_id=args.job_id)
+            job = client.submit(args.prompt, params, model=args.model, messages=messages,
+                                job_id=args.job_id)
         except ProtocolError as exc:
             print(f"genq submit: {exc}", file=sys.stderr)
             return 2
@@ -106,6 +119,30 @@ def submit_main(argv: list[str]) -> int:
             print(f"\ngenq submit: {exc}", file=sys.stderr)
             return 1
     return 0
+
+
+def load_messages(value: str) -> Any:
+    """--messages: inline JSON (it starts with "["), '-' (JSON on stdin) or a JSON file's path.
+    A list of maps; their fields are checked by the protocol on submit."""
+    if value.lstrip().startswith("["):
+        source, text = "--messages", value
+    elif value == "-":
+        source, text = "--messages - (stdin)", sys.stdin.read()
+    else:
+        try:
+            with open(value, encoding="utf-8") as f:
+                source, text = f"--messages file {value}", f.read()
+        except OSError as exc:
+            raise ValueError(f"--messages: cannot read {value}: {exc.strerror or exc} (give "
+                             "inline JSON starting with '[', a file, or '-' for stdin)") from None
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source} is not valid JSON: {exc}") from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError(f'{source} must be a JSON list of {{"role", "content"}} maps, got '
+                         f"{json.dumps(messages)[:80]}")
+    return messages
 
 
 def _print_done(event: dict[str, Any], as_json: bool, live: bool) -> None:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ import pytest
 
 from producer.async_client import AsyncClient
 from producer.client import Client
-from tests.ecosystem.test_gateway import MODEL_DIR, GatewayProcess
+from tests.ecosystem.test_gateway import MODEL_DIR, REPO, GatewayProcess
 from tests.fleet.harness import RedisServer, WorkerFactory, wait_heartbeats
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -212,3 +215,56 @@ def test_client_and_async_client_submit_messages(fleet: tuple[RedisServer, Gatew
     result = asyncio.run(run())
     assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in result["outputs"]] == [
         expected]
+
+
+def genq_submit(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "producer.cli", "submit", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, input=stdin,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_genq_submit_messages_inline_from_a_file_or_stdin(
+        fleet: tuple[RedisServer, GatewayProcess], offline: Oracle, tmp_path: Path) -> None:
+    server = fleet[0]
+    [(token_ids, text, reason)] = offline(CHAT, {"max_tokens": 8, "temperature": 0})
+    common = ("--model", "chat", "--max-tokens", "8", "--temperature", "0",
+              "--redis", server.url)
+    inline = genq_submit("--messages", json.dumps(CHAT), *common, "--json")
+    assert inline.returncode == 0, inline.stderr
+    done = json.loads(inline.stdout)
+    assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in done["outputs"]] == [
+        (token_ids, text, reason)]
+
+    chat_file = tmp_path / "chat.json"
+    chat_file.write_text(json.dumps(CHAT))
+    streamed = genq_submit("--messages", str(chat_file), *common)  # the text as it streams
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == text + "\n"
+    piped = genq_submit("--messages", "-", *common, stdin=json.dumps(CHAT))
+    assert (piped.returncode, piped.stdout) == (0, text + "\n")
+
+
+def test_genq_submit_messages_errors_are_one_line_and_exit_2(
+        fleet: tuple[RedisServer, GatewayProcess], tmp_path: Path) -> None:
+    common = ("--model", "chat", "--redis", fleet[0].url)
+    both = genq_submit("hello", "--messages", json.dumps(CHAT), *common)
+    assert both.returncode == 2
+    assert both.stderr.splitlines()[-1] == (
+        "genq submit: error: give a prompt or --messages, not both")
+    neither = genq_submit(*common)
+    assert neither.returncode == 2 and neither.stderr.endswith("not both\n")
+    bad_json = genq_submit("--messages", "[{", *common)
+    assert (bad_json.returncode, bad_json.stderr) == (
+        2, "genq submit: --messages is not valid JSON: Expecting property name enclosed in "
+           "double quotes: line 1 column 3 (char 2)\n")
+    not_a_list = genq_submit("--messages", "-", *common, stdin='{"role": "user"}')
+    assert (not_a_list.returncode, not_a_list.stderr) == (
+        2, 'genq submit: --messages - (stdin) must be a JSON list of {"role", "content"} maps, '
+           'got {"role": "user"}\n')
+    missing = genq_submit("--messages", str(tmp_path / "nope.json"), *common)
+    assert (missing.returncode, missing.stderr) == (
+        2, f"genq submit: --messages: cannot read {tmp_path / 'nope.json'}: No such file or "
+           "directory (give inline JSON starting with '[', a file, or '-' for stdin)\n")
+    no_content = genq_submit("--messages", '[{"role": "user"}]', *common)  # the protocol's check
+    assert (no_content.returncode, no_content.stderr) == (
+        2, "genq submit: messages[0] needs the field 'content'\n")
