@@ -1,0 +1,42 @@
+"""Chaos fixtures: the offline oracle (the same LLM.generate the fleet tests compare with) and the
+worker-log hook, replicated here so tests/chaos stands on its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fleet.harness import Expected, WorkerFactory
+
+Oracle = Callable[[list[str], list[dict[str, Any]]], list[Expected]]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing chaos test shows the tail of every live worker's log."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "call" and report.failed:
+        for title, text in WorkerFactory.log_tails():
+            report.sections.append((title, text))
+
+
+@pytest.fixture(scope="session")
+def chaos_offline(tiny_llama: Path) -> Oracle:
+    """LLM.generate on the same model: one result per prompt as
+    [(token_ids, text, finish_reason) per sequence index]."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=2048, swap_space=0.01,
+              num_threads=1)
+
+    def run(prompts: list[str], params: list[dict[str, Any]]) -> list[Expected]:
+        outs = llm.generate(prompts, [SamplingParams.from_dict(p) for p in params],
+                            use_tqdm=False)
+        return [[(list(c.token_ids), c.text, c.finish_reason)
+                 for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+
+    return run

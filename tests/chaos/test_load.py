@@ -1,0 +1,129 @@
+"""Load: 10,000 small jobs through two real workers. Every job completes with the offline
+oracle's output, and once the reply and idempotency TTLs pass, Redis's used_memory is back within
+10% of its baseline (nothing accumulates per job). Throughput and latency are printed, never
+asserted."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from producer import Client, Job
+from tests.chaos.conftest import Oracle
+from tests.fleet.harness import RedisServer, WorkerFactory, as_expected, wait_for, wait_heartbeats
+from tests.tiny_models import corpus
+
+NUM_JOBS = 10_000
+BATCH = 500  # jobs per submit_many round trip
+TTL_S = 10  # --result-ttl of the workers and the client's idempotency TTL
+PARAMS = {"temperature": 0, "max_tokens": 4}
+FLEET_KEYS = 3  # what an idle fleet keeps: the job stream and two heartbeats
+
+
+def used_memory(server: RedisServer) -> int:
+    return int(server.client().info("memory")["used_memory"])
+
+
+def genq_keys(server: RedisServer) -> int:
+    return sum(1 for _ in server.client().scan_iter("genq:*", count=1000))
+
+
+def run_jobs(client: Client, prompts: list[str]) -> tuple[list[dict[str, Any]], float]:
+    """Submit in pipelined batches from one thread while this one reads every result in order
+    (so none expires unread); returns the results and the wall time from first submit to last
+    result."""
+    jobs: list[Job] = []
+    failure: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            for i in range(0, len(prompts), BATCH):
+                jobs.extend(client.submit_many(prompts[i:i + BATCH], PARAMS, model="tiny"))
+        except BaseException as exc:  # surfaced by the reader below
+            failure.append(exc)
+
+    start = time.monotonic()
+    submitter = threading.Thread(target=submit, name="submitter")
+    submitter.start()
+    results: list[dict[str, Any]] = []
+    while len(results) < len(prompts):
+        assert not failure, failure
+        if len(results) < len(jobs):
+            results.append(jobs[len(results)].result(timeout=120))
+        else:
+            time.sleep(0.001)
+    elapsed = time.monotonic() - start
+    submitter.join(30)
+    return results, elapsed
+
+
+@pytest.mark.chaos
+def test_10000_small_jobs_complete_and_redis_memory_returns_to_baseline(
+        tmp_path: Path, tiny_llama: Path, chaos_offline: Oracle) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    factory = WorkerFactory(tmp_path)
+    try:
+        procs = [factory.start(server.url, tiny_llama, name, "--result-ttl", str(TTL_S))
+                 for name in ("w1", "w2")]
+        wait_heartbeats(server, procs)
+        pool = corpus(50, seed=23)
+        want = dict(zip(pool, chaos_offline(pool, [PARAMS] * len(pool)), strict=True))
+        client = Client(server.url, idempotency_ttl=TTL_S)
+
+        # Warm-up (scripts loaded, connections open), then the idle baseline once its keys expired.
+        warm, _ = run_jobs(client, pool * 4)
+        assert [as_expected(r) for r in warm] == [want[p] for p in pool * 4]
+        wait_for(lambda: genq_keys(server) == FLEET_KEYS, timeout=TTL_S + 60, interval=0.2,
+                 what="the warm-up's keys to expire")
+        baseline = used_memory(server)
+
+        prompts = [pool[i % len(pool)] for i in range(NUM_JOBS)]
+        peak = [baseline]
+        sampling = threading.Event()
+
+        def sample() -> None:
+            while not sampling.wait(0.25):
+                peak[0] = max(peak[0], used_memory(server))
+
+        sampler = threading.Thread(target=sample, name="memory-sampler")
+        sampler.start()
+        try:
+            results, elapsed = run_jobs(client, prompts)
+        finally:
+            sampling.set()
+            sampler.join(10)
+        mismatches = [i for i, (p, r) in enumerate(zip(prompts, results, strict=True))
+                      if r["type"] != "done" or as_expected(r) != want[p]]
+        assert mismatches == []
+        assert all(r["attempt"] == 1 for r in results)
+
+        expired_at = time.monotonic()
+        wait_for(lambda: genq_keys(server) == FLEET_KEYS, timeout=TTL_S + 60, interval=0.2,
+                 what="the jobs' keys to expire")
+        after = wait_for(lambda: (m := used_memory(server)) <= baseline * 1.10 and m,
+                         timeout=30, interval=0.2, what="used_memory back near its baseline")
+        latencies = sorted(r["timing"]["queued_s"] + r["timing"]["generate_s"] for r in results)
+        service = sorted(r["timing"]["generate_s"] for r in results)
+
+        def pct(values: list[float], q: float) -> float:
+            return values[min(len(values) - 1, int(q * len(values)))]
+
+        tokens = sum(r["usage"]["completion_tokens"] for r in results)
+        print(f"\nload: {NUM_JOBS} jobs ({tokens} tokens) through 2 workers in {elapsed:.1f} s: "
+              f"{NUM_JOBS / elapsed:.0f} jobs/s, {tokens / elapsed:.0f} tokens/s; latency "
+              f"submit -> done p50 {pct(latencies, 0.5) * 1000:.0f} ms, p99 "
+              f"{pct(latencies, 0.99) * 1000:.0f} ms (all submitted at once); in the worker "
+              f"p50 {pct(service, 0.5) * 1000:.0f} ms, p99 {pct(service, 0.99) * 1000:.0f} ms")
+        print(f"load: used_memory baseline {baseline} B, peak {peak[0]} B, {after} B "
+              f"({after / baseline - 1:+.1%}) {time.monotonic() - expired_at:.1f} s after the "
+              f"last result (TTL {TTL_S} s)")
+        assert after <= baseline * 1.10
+        assert all(p.alive() for p in procs)
+    finally:
+        factory.stop_all()
+        server.kill()
