@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from producer import openai_schema as oa
 from producer.client import make_job_spec
 from producer.gateway_fleet import FleetView, GatewayRedis, JobReader, error_status
+from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
 from producer.protocol import DEFAULT_PREFIX, Keys, Limits, ProtocolError, check_limits
 
@@ -141,7 +142,7 @@ class Gateway:
         headers = {JOB_ID_HEADER: ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]}
         if req.stream:
             return await self._stream(request, req, ids[0], prefix + headers[JOB_ID_HEADER],
-                                      chat, headers)
+                                      chat, headers, prompts)
         try:
             results = await watch_disconnect(request, asyncio.gather(
                 *(self.reader(job_id).result() for job_id in ids)))
@@ -151,11 +152,11 @@ class Gateway:
         except GatewayError:  # one job failed or timed out: the others' work is wasted
             await asyncio.gather(*(self.redis.cancel(job_id) for job_id in ids))
             raise
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        shaper = Choices(req, chat, prefix + headers[JOB_ID_HEADER], int(time.time()), prompts)
+        choices: list[dict[str, Any]] = []
+        prompt_tokens, completion_tokens = 0, 0
         for k, result in enumerate(results):
-            for out in result["outputs"]:
-                choices.append(oa.choice(k * req.n + out["index"], out["text"],
-                                         out["finish_reason"], chat))
+            choices.extend(shaper.choice(k, out) for out in result["outputs"])
             prompt_tokens += result["usage"]["prompt_tokens"]
             completion_tokens += result["usage"]["completion_tokens"]
         body = oa.completion_response(prefix + headers[JOB_ID_HEADER], req.model, choices,
@@ -164,7 +165,8 @@ class Gateway:
 
     async def _stream(self, request: Request,
                       req: oa.CompletionRequest | oa.ChatCompletionRequest, job_id: str,
-                      response_id: str, chat: bool, headers: dict[str, str]) -> Response:
+                      response_id: str, chat: bool, headers: dict[str, str],
+                      prompts: list[str | list[int]]) -> Response:
         reader = self.reader(job_id, after=request.headers.get("last-event-id"))
         events = reader.events()
         try:  # the first event decides the status: a job the worker rejects is a 4xx/5xx
@@ -177,15 +179,14 @@ class Gateway:
             await events.aclose()
             raise error_status(first[1])
         # From the reply stream's clock, so a resumed stream's chunks match the first ones.
-        created = reader.created or int(time.time())
+        shaper = Choices(req, chat, response_id, reader.created or int(time.time()), prompts)
 
         async def body() -> AsyncIterator[str]:
             finished = False
-            started: set[int] = set()
             try:
                 pending = [first] if first is not None else []
                 async for entry_id, event in chain(pending, events):
-                    for data in sse_payloads(event, response_id, req, created, chat, started):
+                    for data in shaper.sse_payloads(event):
                         yield f"id: {entry_id}\ndata: {json.dumps(data)}\n\n"
                     finished = event["type"] in ("done", "error")
                 yield "data: [DONE]\n\n"
@@ -199,30 +200,6 @@ class Gateway:
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache"})
-
-
-def sse_payloads(event: dict[str, Any], response_id: str,
-                 req: oa.CompletionRequest | oa.ChatCompletionRequest, created: int, chat: bool,
-                 started: set[int]) -> list[dict[str, Any]]:
-    """The SSE data objects one genq event becomes (restart and started become none)."""
-    kind = event["type"]
-    if kind == "tokens":
-        first = event["index"] not in started
-        started.add(event["index"])
-        return [oa.chunk(response_id, req.model, created, event["index"], event["text"], None,
-                         chat, first)]
-    if kind == "done":  # a sequence never streamed (beam search, best_of > n) comes whole
-        out = [oa.chunk(response_id, req.model, created, o["index"],
-                        None if o["index"] in started else o["text"], o["finish_reason"], chat,
-                        o["index"] not in started) for o in event["outputs"]]
-        if req.include_usage:
-            u = event["usage"]
-            out.append(oa.usage_chunk(response_id, req.model, created,
-                                      oa.usage(u["prompt_tokens"], u["completion_tokens"]), chat))
-        return out
-    if kind == "error":
-        return [error_status(event).body()]
-    return []
 
 
 async def anext_or_none(it: AsyncIterator[T]) -> T | None:

@@ -59,6 +59,11 @@ class _Request(BaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
 
+    @property
+    def logprobs_k(self) -> int | None:
+        """The engine's `logprobs` (top-k per position) this request asks for; None: none."""
+        return None
+
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         if self.logit_bias:
             raise GatewayError(400, "logit_bias is not supported by genq", param="logit_bias")
@@ -73,6 +78,11 @@ class _Request(BaseModel):
             if name not in EXTRA_PARAM_NAMES:
                 raise GatewayError(400, f"unknown or unsupported parameter {name!r}", param=name)
             params[name] = value
+        if self.logprobs_k is not None:
+            if params.get("use_beam_search"):
+                raise GatewayError(400, "logprobs with use_beam_search is not supported: beam "
+                                   "search keeps no per-token logprobs", param="logprobs")
+            params["logprobs"] = self.logprobs_k
         return params
 
     @property
@@ -85,8 +95,12 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(16, ge=1)
     best_of: int | None = Field(None, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per job: text or token ids."""
@@ -100,10 +114,15 @@ class CompletionRequest(_Request):
         return list(prompt)
 
     def to_params(self) -> dict[str, Any]:
-        for name in ("echo", "suffix", "logprobs"):
-            if getattr(self, name) not in (None, False):
-                raise GatewayError(400, f"{name} is not supported by the genq gateway",
-                                   param=name)
+        if self.suffix is not None:
+            raise GatewayError(400, "suffix is not supported by the genq gateway", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise GatewayError(400, "echo with logprobs is not supported: it needs the prompt's "
+                               "logprobs, which the genq engine does not compute; ask for "
+                               "echo or logprobs", param="echo")
+        if self.echo and any(not isinstance(p, str) for p in self.prompts()):
+            raise GatewayError(400, "echo needs a text prompt: the gateway has no tokenizer to "
+                               "turn prompt token ids into text", param="echo")
         params = self.sampling_params(self.max_tokens)
         if self.best_of is not None:
             params["best_of"] = self.best_of
@@ -134,11 +153,15 @@ class ChatCompletionRequest(_Request):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_params(self) -> dict[str, Any]:
-        if self.logprobs:
-            raise GatewayError(400, "logprobs is not supported by the genq gateway",
-                               param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise GatewayError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return self.sampling_params(self.max_completion_tokens or self.max_tokens)
 
     def wire_messages(self) -> list[dict[str, str]]:
@@ -163,24 +186,27 @@ def completion_response(response_id: str, model: str, choices: list[dict[str, An
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage_}
 
 
-def choice(index: int, text: str, reason: str | None, chat: bool) -> dict[str, Any]:
+def choice(index: int, text: str, reason: str | None, chat: bool,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason(reason)}
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+                "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason)}
 
 
 def chunk(response_id: str, model: str, created: int, index: int, text: str | None,
-          reason: str | None, chat: bool, first: bool = False) -> dict[str, Any]:
+          reason: str | None, chat: bool, first: bool = False,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed choice delta (text None: a finish-only chunk)."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
-        body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
+        body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                 "finish_reason": finish_reason(reason)}
     else:
-        body = {"index": index, "text": text or "", "logprobs": None,
+        body = {"index": index, "text": text or "", "logprobs": logprobs,
                 "finish_reason": finish_reason(reason)}
     return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": [body]}

@@ -410,11 +410,13 @@ def started_event(attempt: int, worker: str) -> dict[str, Any]:
 
 
 def tokens_event(attempt: int, index: int, pos: int, token_ids: list[int], text: str,
-                 logprobs: list[list[list[float]]] | None = None) -> dict[str, Any]:
+                 logprobs: list[list[list[Any]]] | None = None) -> dict[str, Any]:
     event: dict[str, Any] = {"type": "tokens", "attempt": attempt, "index": index, "pos": pos,
                              "token_ids": token_ids, "text": text}
     if logprobs is not None:
-        event["logprobs"] = logprobs  # per position: [[token_id, logprob], ...]
+        # Per position: [[token_id, logprob, text], ...], the sampled token first, then the
+        # top-k; text is the token's text after the tokens before it (what the gateway shows).
+        event["logprobs"] = logprobs
     return event
 
 

@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from producer.protocol import JobSpec, Keys, ProtocolError, check_limits, decode_job_entry
 from worker.config import WorkerConfig
 from worker.jobs import ActiveJob
+from worker.token_text import TokenTexts
 
 _SPECIAL_TOKEN_ALLOWANCE = 4
 
@@ -52,6 +53,7 @@ class Admission:
         self.cfg = cfg
         self.keys = keys
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # logprobs' token strings
         self.max_prompt_tokens = min(cfg.limits.max_prompt_tokens or max_model_len, max_model_len)
 
     def admit(self, entry_id: str, fields: dict[bytes, bytes], deliveries: int,
@@ -93,7 +95,8 @@ class Admission:
         job = ActiveJob(entry_id=entry_id, deliveries=deliveries, attempt=attempt, spec=spec,
                         fields=dict(fields), reply_key=self.keys.reply(spec.id),
                         stream_tokens=spec.stream and not params.use_beam_search
-                        and params.best_of == params.n)
+                        and params.best_of == params.n,
+                        token_texts=self.token_texts if params.logprobs is not None else None)
         return Admitted(job, prompt, params)
 
     def _params(self, spec: JobSpec) -> dict[str, Any]:

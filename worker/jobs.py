@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.outputs import CompletionOutput, RequestOutput
 from producer.protocol import JobSpec, done_event, encode_event, error_event, tokens_event
+from worker.token_text import TokenTexts
 
 
 @dataclass
@@ -24,6 +25,8 @@ class ActiveJob:
     first_token_at: float | None = None
     sent_tokens: dict[int, int] = field(default_factory=dict)
     sent_text: dict[int, str] = field(default_factory=dict)
+    token_texts: TokenTexts | None = None  # set when the job asked for logprobs
+    logprob_rows: dict[tuple[int, int], list[list[Any]]] = field(default_factory=dict)
 
     @property
     def job_id(self) -> str:
@@ -44,8 +47,9 @@ def token_events(job: ActiveJob, output: RequestOutput) -> list[dict[str, Any]]:
         job.sent_tokens[comp.index] = len(comp.token_ids)
         job.sent_text[comp.index] = comp.text if comp.text.startswith(text_sent) else text_sent
         if job.stream_tokens:
-            events.append(tokens_event(job.attempt, comp.index, sent,
-                                       list(comp.token_ids[sent:]), delta, _logprobs(comp, sent)))
+            events.append(tokens_event(
+                job.attempt, comp.index, sent, list(comp.token_ids[sent:]), delta,
+                _logprobs(job, output.prompt_token_ids, comp, sent)))
     return events
 
 
@@ -54,7 +58,8 @@ def terminal_event(job: ActiveJob, output: RequestOutput) -> bytes:
         return encode_event(error_event(job.attempt, "engine_error",
                                         output.error or "the engine could not run this job"))
     now = time.time()
-    outputs = [_output_map(c) for c in sorted(output.outputs, key=lambda c: c.index)]
+    outputs = [_output_map(job, output.prompt_token_ids, c)
+               for c in sorted(output.outputs, key=lambda c: c.index)]
     usage = {"prompt_tokens": len(output.prompt_token_ids),
              "completion_tokens": sum(len(c.token_ids) for c in output.outputs)}
     first = job.first_token_at or now
@@ -63,17 +68,42 @@ def terminal_event(job: ActiveJob, output: RequestOutput) -> bytes:
     return encode_event(done_event(job.attempt, outputs, usage, timing))
 
 
-def _output_map(comp: CompletionOutput) -> dict[str, Any]:
+def _output_map(job: ActiveJob, prompt_ids: list[int], comp: CompletionOutput) -> dict[str, Any]:
     out: dict[str, Any] = {"index": comp.index, "token_ids": list(comp.token_ids),
                            "text": comp.text, "finish_reason": comp.finish_reason,
-                           "cumulative_logprob": float(comp.cumulative_logprob),
+                           "cumulative_logprob": None if comp.cumulative_logprob is None
+                           else float(comp.cumulative_logprob),
                            "stop_reason": comp.stop_reason}
     if comp.logprobs is not None:
-        out["logprobs"] = _logprobs(comp, 0)
+        out["logprobs"] = _logprobs(job, prompt_ids, comp, 0)
     return out
 
 
-def _logprobs(comp: CompletionOutput, start: int) -> list[list[list[float]]] | None:
+def _logprobs(job: ActiveJob, prompt_ids: list[int], comp: CompletionOutput,
+              start: int) -> list[list[list[Any]]] | None:
+    """Per position from `start`: [[token_id, logprob, text], ...], the sampled token first
+    (then the top-k), each token's text as it reads right after the tokens before it."""
     if comp.logprobs is None:
         return None
-    return [[[int(t), float(lp)] for t, lp in pos.items()] for pos in comp.logprobs[start:]]
+    positions = []
+    for pos in range(start, len(comp.logprobs)):
+        top = comp.logprobs[pos]
+        if job.token_texts is None:
+            positions.append([[int(t), float(lp)] for t, lp in top.items()])
+            continue
+        row = job.logprob_rows.get((comp.index, pos))  # streamed already: reuse its texts
+        if row is None:
+            context = _tail(prompt_ids, comp.token_ids, pos, job.token_texts.context_size)
+            texts = job.token_texts.texts(context, top)
+            row = [[int(t), float(lp), texts[int(t)]] for t, lp in top.items()]
+            job.logprob_rows[(comp.index, pos)] = row
+        positions.append(row)
+    return positions
+
+
+def _tail(prompt_ids: list[int], token_ids: list[int], pos: int, size: int) -> list[int]:
+    """The last `size` tokens before output position `pos` (reaching into the prompt)."""
+    out = list(token_ids[max(0, pos - size):pos])
+    if len(out) < size:
+        out = list(prompt_ids[max(0, len(prompt_ids) - (size - len(out))):]) + out
+    return out
