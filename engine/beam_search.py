@@ -34,7 +34,7 @@ def select(beams: list[Sequence], logits: torch.Tensor, width: int, eos_ids: set
            params: SamplingParams, last_step: bool) -> tuple[list[Candidate], list[Candidate]]:
     """The next beams and the new hypotheses from `beams`' logits rows."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    base = torch.tensor([b.cumulative_logprob for b in beams], device=logprobs.device)
+    base = torch.tensor([b.ranking_logprob for b in beams], device=logprobs.device)
     totals = (logprobs + base[:, None]).view(-1)
     top, flat = totals.topk(min(2 * width, totals.numel()))
     vocab = logprobs.shape[1]
@@ -63,16 +63,16 @@ def is_done(hypotheses: list[Sequence], beams: list[Sequence], params: SamplingP
         return False
     if params.early_stopping is True:
         return True
-    worst = min(score(h.cumulative_logprob, h.num_output_tokens, params.length_penalty)
+    worst = min(score(h.ranking_logprob, h.num_output_tokens, params.length_penalty)
                 for h in hypotheses)
     length = beams[0].num_output_tokens
     if params.early_stopping == "never" and params.length_penalty > 0.0:
         assert params.max_tokens is not None
         length = params.max_tokens
-    best = max(b.cumulative_logprob for b in beams)
+    best = max(b.ranking_logprob for b in beams)
     return worst >= score(best, length, params.length_penalty)
 
 
 def best(hypotheses: list[Sequence], params: SamplingParams, keep: int) -> list[Sequence]:
-    return sorted(hypotheses, key=lambda h: -score(h.cumulative_logprob, h.num_output_tokens,
+    return sorted(hypotheses, key=lambda h: -score(h.ranking_logprob, h.num_output_tokens,
                                                    params.length_penalty))[:keep]

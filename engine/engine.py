@@ -17,7 +17,13 @@ from engine import beam_search
 from engine.attention.base import AttentionBackend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import decode_delta, decode_output, find_stop, init_offsets
+from engine.detokenizer import (
+    decode_delta,
+    decode_output,
+    fast_decoder,
+    find_stop,
+    init_offsets,
+)
 from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
 from engine.models.loader import DTYPES, load_config, load_model, load_tokenizer, max_positions
@@ -46,6 +52,7 @@ class Engine:
                              f"of {limit} positions")
         self.max_model_len = config.max_model_len or limit
         self.tokenizer = load_tokenizer(config.model)
+        self.decoder = fast_decoder(self.tokenizer)
         self.model = load_model(config.model, hf_config, config.dtype, self.device, limit)
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
@@ -152,30 +159,34 @@ class Engine:
         owners: list[tuple[SequenceGroup, Sequence, int]] = []  # (group, parent seq, fork index)
         beams: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
         for r, item in enumerate(sampled):
-            group, seq = item.group, item.seq
-            if group.params.use_beam_search:
+            group, seq, params = item.group, item.seq, item.group.params
+            if params.use_beam_search:
                 beams.setdefault(id(group), (group, []))[1].append((seq, r))
                 continue
-            fan_out = range(group.width) if not group.forked else [seq.index]
+            fan_out = range(group.width) if not group.forked else (seq.index,)
+            num_out = len(seq.token_ids) - seq.num_prompt_tokens
             banned = None
-            if seq.num_output_tokens < group.params.min_tokens:
-                banned = group.params.stop_token_ids + (
-                    [] if group.params.ignore_eos else sorted(self.eos_token_ids))
+            if num_out < params.min_tokens:
+                banned = params.stop_token_ids + (
+                    [] if params.ignore_eos else sorted(self.eos_token_ids))
             for index in fan_out:
-                rows.append(SampleRow(group.params, group.seed, index, seq.num_output_tokens,
-                                      seq.token_ids, seq.num_prompt_tokens, banned))
+                rows.append(SampleRow(params, group.seed, index, num_out, seq.token_ids,
+                                      seq.num_prompt_tokens, banned))
                 owners.append((group, seq, index))
                 row_index.append(r)
         if rows:
-            result = self.sampler(logits[torch.tensor(row_index, device=logits.device)], rows)
-            targets = []
-            for group, seq, index in owners:
+            if len(row_index) != logits.shape[0]:  # fan-out rows repeat, beam rows leave
+                logits_rows = logits[torch.tensor(row_index, device=logits.device)]
+            else:
+                logits_rows = logits
+            result = self.sampler(logits_rows, rows)
+            targets = [seq for _, seq, _ in owners]
+            for r, (group, seq, index) in enumerate(owners):
                 if index != seq.index:  # the first sample of a best_of group forks its sequence
-                    child = seq.fork(next(self._seq_ids), index)
+                    child = seq.fork(next(self._seq_ids), index)  # before any append to seq
                     self.block_manager.fork(seq, child)
                     group.seqs.append(child)
-                    seq = child
-                targets.append(seq)
+                    targets[r] = child
             for (group, _, _), seq, token, lp, top in zip(owners, targets, result.token_ids,
                                                           result.logprobs, result.top_logprobs):
                 self._append(group, seq, token, lp, top)
@@ -185,8 +196,10 @@ class Engine:
         for group in {id(item.group): item.group for item in sampled}.values():
             if group.first_token_time is None:
                 group.first_token_time = now
-            group.seqs.sort(key=lambda s: s.index)
-            if group.is_finished():
+            seqs = group.seqs
+            if len(seqs) > 1:
+                seqs.sort(key=lambda s: s.index)
+            if not seqs or (seqs[0].finish_reason is not None and group.is_finished()):
                 self.scheduler.running.remove(group)
                 self._finish_group(group)
 
@@ -220,7 +233,7 @@ class Engine:
             if cand.finishes:
                 seq.finish_reason = "stop" if cand.token in self.eos_token_ids \
                     and not params.ignore_eos else "length"
-                seq.output_text = decode_output(self.tokenizer, seq, seq.num_output_tokens,
+                seq.output_text = decode_output(self.decoder, seq, seq.num_output_tokens,
                                                 params.skip_special_tokens)
         dropped = [s for s in live if id(s) not in reused]
         hypotheses = beam_search.best([s for s in group.seqs if s.finished], params, width)
@@ -232,40 +245,45 @@ class Engine:
             self.block_manager.free(seq)
         group.seqs = [s for s in group.seqs if id(s) in keep]
 
-    def _append(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
+    def _append(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float | None,
                 top: dict[int, float] | None) -> None:
         params = group.params
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
+        ids = seq.token_ids
+        ids.append(token)
+        num_out = len(ids) - seq.num_prompt_tokens
+        if logprob is None:
+            seq.cumulative_logprob = None
+        elif seq.cumulative_logprob is not None:
+            seq.cumulative_logprob += logprob
         if top is not None:
             seq.output_logprobs.append(top)
         self.counters["num_generated_tokens"] += 1
-        can_stop = seq.num_output_tokens >= params.min_tokens
-        if can_stop and token in params.stop_token_ids:
+        can_stop = num_out >= params.min_tokens
+        if can_stop and params.stop_token_ids and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif can_stop and not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
         else:
             stop = None
             if self.config.stream_text or params.stop:
-                delta = decode_delta(self.tokenizer, seq, params.skip_special_tokens)
+                delta = decode_delta(self.decoder, seq, params.skip_special_tokens)
                 seq.output_text += delta
                 stop = find_stop(seq, delta, params) if can_stop else None
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
-            elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            elif params.max_tokens is not None and num_out >= params.max_tokens:
                 seq.finish_reason = "length"
-            elif seq.num_tokens >= self.max_model_len:
+            elif len(ids) >= self.max_model_len:
                 seq.finish_reason = "length"
-        if seq.finished:
+        if seq.finish_reason is not None:
             self.block_manager.free(seq)
             if not (self.config.stream_text or params.stop):  # text once, at the end
                 num = seq.num_output_tokens - (seq.finish_reason == "stop")
-                seq.output_text = decode_output(self.tokenizer, seq, num,
+                seq.output_text = decode_output(self.decoder, seq, num,
                                                 params.skip_special_tokens)
             elif seq.stop_reason is None and seq.read_offset < seq.num_tokens:
                 # Flush bytes held back for a character that will now never complete.
-                seq.output_text = decode_output(self.tokenizer, seq, seq.num_output_tokens,
+                seq.output_text = decode_output(self.decoder, seq, seq.num_output_tokens,
                                                 params.skip_special_tokens)
 
     def _finish_group(self, group: SequenceGroup) -> None:
@@ -283,7 +301,7 @@ class Engine:
         elif params.use_beam_search:
             seqs = beam_search.best(seqs, params, params.n)
         elif ranked:
-            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: params.n]
+            seqs = sorted(seqs, key=lambda s: -s.ranking_logprob)[: params.n]
         outputs = [CompletionOutput(i if ranked else s.index,
                                     s.output_token_ids, s.output_text, s.finish_reason,
                                     s.cumulative_logprob,
@@ -321,15 +339,6 @@ class Engine:
             seq.finish_reason = "error"
         group.error = message
         self._rejected.append(group)
-
-
-def _expand(keep: list[int], batch: list[ScheduledSeq]) -> list[int]:
-    """Row index into the logits for every sample row (a fan-out row repeats its parent)."""
-    rows = []
-    for r, i in enumerate(keep):
-        group = batch[i].group
-        rows.extend([r] * (group.width if not group.forked else 1))
-    return rows
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

@@ -11,7 +11,8 @@ class CompletionOutput:
     token_ids: list[int]  # every output token so far
     text: str  # detokenized output so far (stop string excluded)
     finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
-    cumulative_logprob: float = 0.0
+    # None unless the request asked for logprobs or ranks samples (best_of > n, beam search).
+    cumulative_logprob: float | None = 0.0
     logprobs: list[dict[int, float]] | None = None  # per position: top-k ids -> logprob
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 

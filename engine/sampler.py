@@ -34,7 +34,7 @@ class SampleRow:
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[float]  # of the chosen tokens
+    logprobs: list[float | None]  # of the chosen tokens; None where no one asked (see below)
     top_logprobs: list[dict[int, float] | None]
 
 
@@ -57,14 +57,25 @@ class Sampler:
             idx = torch.tensor(random_rows, device=logits.device)
             chosen[idx] = self._draw(logits[idx], [rows[i] for i in random_rows])
         token_ids = chosen.tolist()
-        # Every chosen token's logprob (cumulative_logprob, best_of); the top-k only on request.
-        chosen_lp = (logits.gather(1, chosen[:, None]).squeeze(1)
-                     - torch.logsumexp(logits, dim=-1)).tolist()
+        # The chosen token's logprob (cumulative_logprob) for rows that asked for logprobs or
+        # rank samples (best_of > n), as vLLM does: a logsumexp over the vocabulary is a
+        # large share of a decode step on a small model. The top-k only on request.
+        chosen_lp: list[float | None] = [None] * len(rows)
+        need = [i for i, r in enumerate(rows) if _wants_logprobs(r.params)]
+        if need:
+            idx = torch.tensor(need, device=logits.device)
+            sub = logits[idx]
+            values = (sub.gather(1, chosen[idx, None]).squeeze(1)
+                      - torch.logsumexp(sub, dim=-1)).tolist()
+            for i, value in zip(need, values):
+                chosen_lp[i] = value
         tops: list[dict[int, float] | None] = [None] * len(rows)
         for i, row in enumerate(rows):
             if row.params.logprobs is not None:
+                lp = chosen_lp[i]
+                assert lp is not None
                 tops[i] = _top(torch.log_softmax(logits[i], dim=-1), row.params.logprobs,
-                               token_ids[i], chosen_lp[i])
+                               token_ids[i], lp)
         return SampleResult(token_ids, chosen_lp, tops)
 
     def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -82,6 +93,10 @@ class Sampler:
         h = _fmix32(self._vocab_hash[None, :] ^ keys[:, None])
         u = (h.double() + 0.5) / 4294967296.0
         return (-torch.log(-torch.log(u))).float()
+
+
+def _wants_logprobs(p: SamplingParams) -> bool:
+    return p.logprobs is not None or (p.best_of or p.n) > p.n
 
 
 def _has_penalty(p: SamplingParams) -> bool:

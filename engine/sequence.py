@@ -23,7 +23,7 @@ class Sequence:
     token_ids: list[int]  # prompt followed by output
     num_prompt_tokens: int
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = 0.0  # None when the request did not need logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -47,6 +47,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def ranking_logprob(self) -> float:
+        """cumulative_logprob where it ranks sequences (best_of > n, beam search: always kept)."""
+        return self.cumulative_logprob if self.cumulative_logprob is not None else 0.0
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         return Sequence(seq_id=seq_id, index=index, token_ids=list(self.token_ids),

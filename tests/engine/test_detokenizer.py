@@ -2,16 +2,48 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from engine import Engine, EngineConfig, SamplingParams
-from engine.detokenizer import decode_delta, init_offsets
+from engine.detokenizer import _BackendDecoder, decode_delta, fast_decoder, init_offsets
 from engine.sequence import Sequence
 from tests.engine.conftest import assert_drained, random_prompts
 
 
-def test_characters_split_across_tokens_stream_whole(tiny_llama):
+def test_fast_decoder_gives_the_tokenizers_text(tiny_llama):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    decoder = fast_decoder(tok)
+    assert isinstance(decoder, _BackendDecoder)  # the test tokenizer does no space clean-up
+    rng = random.Random(5)
+    special = sorted(tok.all_special_ids)
+    assert special
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(special))
+        for skip in (True, False):
+            assert decoder.decode(ids, skip_special_tokens=skip) == \
+                tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    tok.clean_up_tokenization_spaces = True
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert fast_decoder(tok) is tok
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["tokenizer", "backend"])
+def test_characters_split_across_tokens_stream_whole(tiny_llama, fast):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    decoder = fast_decoder(tok) if fast else tok
     text = " 日本語 and 🙂 then Жψ 🚀 中文 ✓"  # the last ones are not in the BPE vocab
     ids = tok(text).input_ids
     assert len(ids) > len(text.split())  # multi-byte characters span several tokens
@@ -21,7 +53,7 @@ def test_characters_split_across_tokens_stream_whole(tiny_llama):
     deltas = []
     for token in ids:
         seq.token_ids.append(token)
-        deltas.append(decode_delta(tok, seq, skip_special_tokens=True))
+        deltas.append(decode_delta(decoder, seq, skip_special_tokens=True))
     assert "".join(deltas) == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
     assert not any("\ufffd" in d for d in deltas)
     assert "" in deltas  # a token ending mid-character released nothing yet

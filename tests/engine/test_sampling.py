@@ -118,12 +118,27 @@ def test_tiny_top_p_is_greedy(tiny_llama, make_llm):
 def test_best_of_returns_the_n_most_likely_sequences(tiny_llama, make_llm):
     llm = make_llm(tiny_llama)
     base = dict(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
-    all4 = llm.generate(PROMPTS[:2], SamplingParams(n=4, **base), use_tqdm=False)
+    all4 = llm.generate(PROMPTS[:2], SamplingParams(n=4, logprobs=0, **base), use_tqdm=False)
     best2 = llm.generate(PROMPTS[:2], SamplingParams(n=2, best_of=4, **base), use_tqdm=False)
     for full, best in zip(all4, best2):
         ranked = sorted(full.outputs, key=lambda c: -c.cumulative_logprob)[:2]
         assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]
+        assert [c.cumulative_logprob for c in best.outputs] == \
+            [c.cumulative_logprob for c in ranked]
         assert [c.index for c in best.outputs] == [0, 1]
+
+
+def test_cumulative_logprob_only_when_logprobs_are_asked_for(tiny_llama, make_llm):
+    # As in vLLM: computing it costs a logsumexp over the vocabulary per token.
+    llm = make_llm(tiny_llama)
+    base = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    plain, asked = (llm.generate(PROMPTS[:1], SamplingParams(**base, **extra), use_tqdm=False)[0]
+                    .outputs[0] for extra in ({}, {"logprobs": 0}))
+    assert plain.token_ids == asked.token_ids
+    assert plain.cumulative_logprob is None and plain.logprobs is None
+    assert asked.logprobs is not None and len(asked.logprobs) == 5
+    assert asked.cumulative_logprob == pytest.approx(
+        sum(entry[t] for entry, t in zip(asked.logprobs, asked.token_ids)), abs=1e-5)
 
 
 @pytest.mark.parametrize("field,value,message", [
