@@ -38,6 +38,7 @@ from tests.fleet.harness import (
 from tests.tiny_models import corpus
 
 T = TypeVar("T")
+SEED = int(os.environ.get("GENQ_CHAOS_SEED", "2024"))  # victims, job mix; printed with figures
 SOAK_S = 100.0  # seconds of submitting under faults
 PRODUCERS = 8  # client threads, each with one job in flight at a time
 STREAM_TIMEOUT_S = 150.0  # one job's stream, however many faults it lives through
@@ -283,10 +284,11 @@ def test_soak_with_faults_loses_and_duplicates_nothing(
     try:
         fleet = Fleet(server, factory, tiny_llama)
         fleet.wait_serving()
-        rng = random.Random(2024)
+        rng = random.Random(SEED)
         prompts = corpus(300, seed=17)
         threads = [threading.Thread(target=produce, name=f"producer-{i}",
-                                    args=(server.url, 100 + i, prompts, stop, records))
+                                    args=(server.url, SEED * 100 + i, prompts, stop,
+                                          records))
                    for i in range(PRODUCERS)]
         start = time.monotonic()
         for t in threads:
@@ -359,16 +361,21 @@ def test_soak_with_faults_loses_and_duplicates_nothing(
             == {n: (NUM_BLOCKS, NUM_BLOCKS) for n in NAMES}
         assert all(p.alive() for p in fleet.procs.values())
 
-        print(f"\nsoak: {soak_s:.0f} s, jobs {len(records)} (done {finals['done']}, cancelled "
-              f"{finals['cancelled']}), {dict(fleet.figures)}, reclaims {reclaims} (attempts "
-              f"after the first), lost = {lost}, duplicated = {duplicated}; token positions in "
-              f"reply streams {raw_positions}, delivered to clients {client_positions} (replays "
-              f"and retried writes dropped by (index, pos) dedupe: "
-              f"{raw_positions - client_positions})")
+        figures = {"jobs": len(records), "done": finals["done"],
+                   "cancelled": finals["cancelled"], **fleet.figures,
+                   "reclaims (attempts after the first)": reclaims,
+                   "token positions in reply streams": raw_positions,
+                   "token positions delivered to clients": client_positions,
+                   "replayed positions dropped by (index, pos) dedupe":
+                       raw_positions - client_positions,
+                   "lost": lost, "duplicated": duplicated}
+        print(f"\nsoak (seed {SEED}, {soak_s:.0f} s under faults):")
+        for name, value in figures.items():
+            print(f"  {name:<52} {value}")
         if paused_hb is not None and paused_hb["pid"] == paused_pid:
             print(f"soak: the paused worker {paused_name} found {paused_hb['lost']} of its "
                   "jobs taken when it woke, and aborted them")
-        assert problems == []
+        assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:20])
         assert lost == 0
         assert duplicated == 0
         assert len(records) >= 100 and finals["done"] + finals["cancelled"] == len(records)
