@@ -112,7 +112,9 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._groups)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step. Returns an output for every request that progressed (or, with
+        `finished_only`, for those that finished: the offline LLM needs no partial outputs)."""
         sched = self.scheduler.schedule()
         self._move_blocks(sched)
         batch = self.runner.order(sched.scheduled)
@@ -122,7 +124,8 @@ class Engine:
             self._postprocess(batch, logits)
             self.counters["num_steps"] += 1
         for group in {id(item.group): item.group for item in batch}.values():
-            outputs[group.request_id] = self._output(group)
+            if not finished_only or group.status is SequenceStatus.FINISHED:
+                outputs[group.request_id] = self._output(group)
         for group in sched.finished + self._rejected:
             self._finish_group(group)
             outputs[group.request_id] = self._output(group)

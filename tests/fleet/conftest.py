@@ -38,6 +38,21 @@ def workers(tmp_path: Path) -> Iterator[WorkerFactory]:
 
 
 @pytest.fixture(scope="session")
+def long_llama(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_llama with room for 4096 positions (default rope: the same outputs as tiny_llama
+    within its 512), so a job can outlast a heartbeat TTL however fast the engine is."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("long") / "llama"
+    shutil.copytree(tiny_llama, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="session")
 def offline(tiny_llama: Path) -> Callable[[list[str], Any], list[Expected]]:
     """The offline oracle: LLM.generate on the same model, one result per prompt as
     [(token_ids, text, finish_reason) per sequence index]."""

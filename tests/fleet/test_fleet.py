@@ -74,13 +74,13 @@ def pending_of(server: RedisServer, consumer: str) -> int:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory,
-         tiny_llama: Path) -> Iterator[tuple[RedisServer, list[WorkerProcess]]]:
+         long_llama: Path) -> Iterator[tuple[RedisServer, list[WorkerProcess]]]:
     """Two workers shared by the tests that neither kill nor stop a worker (the Redis restart
-    test runs last of them)."""
+    test runs last of them). They serve tiny_llama with room for long generations."""
     server = RedisServer(tmp_path_factory.mktemp("pair-redis"))
     server.start()
     factory = WorkerFactory(tmp_path_factory.mktemp("pair-workers"))
-    procs = [factory.start(server.url, tiny_llama, name, "--max-num-seqs", "16",
+    procs = [factory.start(server.url, long_llama, name, "--max-num-seqs", "16",
                            "--reclaim-interval", "0.1") for name in ("w1", "w2")]
     wait_heartbeats(server, procs)
     yield server, procs
@@ -151,8 +151,9 @@ def test_kill_9_mid_generation_every_job_completes_once_on_the_survivor(
 def test_a_live_worker_with_a_long_generation_is_never_robbed(
         pair: tuple[RedisServer, list[WorkerProcess]]) -> None:
     redis_server, _procs = pair  # heartbeat TTL 2 s, the other one reclaims every 0.1 s
+    # 3000 decode steps: several times the 2 s TTL even on a fast machine (256 blocks of 16).
     job = Client(redis_server.url).submit("the quick brown fox", {
-        "temperature": 0, "max_tokens": 480, "ignore_eos": True, "n": 4}, model="tiny")
+        "temperature": 0, "max_tokens": 3000, "ignore_eos": True}, model="tiny")
     max_idle_ms = 0
 
     def finished() -> bool:
@@ -166,7 +167,7 @@ def test_a_live_worker_with_a_long_generation_is_never_robbed(
     assert max_idle_ms > 2000  # the entry sat idle past the heartbeat TTL...
     started = [e for e in reply_events(redis_server, job.id) if e["type"] == "started"]
     assert len(started) == 1 and result["attempt"] == 1  # ...and was never taken away
-    assert [len(o["token_ids"]) for o in result["outputs"]] == [480] * 4
+    assert [len(o["token_ids"]) for o in result["outputs"]] == [3000]
 
 
 def test_redis_restart_mid_run_workers_reconnect_and_all_jobs_complete(
