@@ -46,11 +46,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def worker(server: RedisServer, tiny_llama: Path,
+def worker(server: RedisServer, long_llama: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    # long_llama: tiny_llama with 4096 positions, so a job can outlast a deadline.
     factory = WorkerFactory(tmp_path_factory.mktemp("workers"))
-    proc = factory.start(server.url, tiny_llama, "solo", "--max-num-seqs", "4",
-                         "--max-tokens-cap", "500", "--max-n", "2", "--max-prompt-tokens", "64",
+    proc = factory.start(server.url, long_llama, "solo", "--max-num-seqs", "4",
+                         "--max-tokens-cap", "4000", "--max-n", "2", "--max-prompt-tokens", "64",
                          "--max-attempts", "3", "--result-ttl", "6")
     wait_heartbeats(server, [proc])
     yield proc
@@ -105,7 +106,7 @@ def test_capacity_4_never_holds_more_than_4_pending_entries(server: RedisServer,
 
 def test_cancel_mid_generation_frees_blocks_and_ends_with_cancelled(
         server: RedisServer, worker: WorkerProcess) -> None:
-    job = Client(server.url).submit("the quick brown", {"temperature": 0, "max_tokens": 500,
+    job = Client(server.url).submit("the quick brown", {"temperature": 0, "max_tokens": 4000,
                                                         "ignore_eos": True}, model="tiny")
     stream = job.stream(timeout=60)
     assert next(stream)["type"] == "started"
@@ -132,9 +133,10 @@ def test_a_job_cancelled_before_any_worker_read_it_ends_cancelled(
 
 def test_a_deadline_passing_mid_generation_ends_the_job_and_frees_its_blocks(
         server: RedisServer, worker: WorkerProcess) -> None:
-    job = Client(server.url).submit("the quick", {"temperature": 0, "max_tokens": 500,
+    # 4000 decode steps take several seconds on any CPU; the deadline comes mid-generation.
+    job = Client(server.url).submit("the quick", {"temperature": 0, "max_tokens": 4000,
                                                   "ignore_eos": True}, model="tiny",
-                                    deadline=time.time() + 1.0)
+                                    deadline=time.time() + 1.5)
     with pytest.raises(JobError) as exc:
         job.result(timeout=30)
     assert exc.value.code == "deadline_exceeded"
@@ -181,7 +183,7 @@ BAD_JOBS: list[tuple[str, dict[str, Any], str]] = [
     ("unknown param", {"params": {"temprature": 0}}, "unknown_field"),
     ("wrong type", {"params": {"max_tokens": "4"}}, "wrong_type"),
     ("max_tokens <= 0", {"params": {"max_tokens": 0}}, "invalid_params"),
-    ("max_tokens over cap", {"params": {"max_tokens": 501}}, "limit_exceeded"),
+    ("max_tokens over cap", {"params": {"max_tokens": 4001}}, "limit_exceeded"),
     ("n over cap", {"params": {"n": 3, "temperature": 0}}, "limit_exceeded"),
     ("giant prompt", {"prompt": "the quick brown fox " * 100}, "limit_exceeded"),
     ("bad value", {"params": {"top_p": 2.0}}, "invalid_params"),
