@@ -130,9 +130,11 @@ class BlockManager:
         self.tables[child.seq_id] = table
 
     def free(self, seq: Sequence) -> None:
-        for block in self.tables.pop(seq.seq_id, ()):
+        # Last block first: the free stack then hands the run back in ascending order, so the
+        # next prompt's blocks are contiguous in memory (the CPU decode kernel streams them).
+        for block in reversed(self.tables.pop(seq.seq_id, ())):
             self.device.decref(block)
-        for block in self.host_tables.pop(seq.seq_id, ()):
+        for block in reversed(self.host_tables.pop(seq.seq_id, ())):
             self.host.decref(block)
 
     def free_group(self, group: SequenceGroup) -> None:

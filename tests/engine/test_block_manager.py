@@ -27,6 +27,20 @@ def test_allocate_reports_ok_later_never():
     bm.check_invariants()
 
 
+def test_freed_blocks_come_back_in_ascending_runs():
+    # A prompt's blocks are handed out contiguous and ascending, also when they are reused.
+    bm = BlockManager(12, 0, block_size=4, watermark=0.0)
+    a, b = group(16, seq_id=1), group(12, seq_id=2)
+    bm.allocate(a)
+    bm.allocate(b)
+    assert bm.table(a.seqs[0]) == [0, 1, 2, 3] and bm.table(b.seqs[0]) == [4, 5, 6]
+    bm.free_group(a)
+    c = group(16, seq_id=3)
+    bm.allocate(c)
+    assert bm.table(c.seqs[0]) == [0, 1, 2, 3]
+    bm.check_invariants()
+
+
 def test_watermark_keeps_blocks_back_from_admission():
     bm = BlockManager(100, 0, block_size=4, watermark=0.1)
     assert bm.watermark_blocks == 10
