@@ -15,33 +15,6 @@ from engine.sequence import Sequence
 _CONTEXT = 5  # tokens of left context so leading-space rules decode as in the full text
 
 
-class _BackendDecoder:
-    """`decode` straight on a fast tokenizer's Rust backend: what transformers' decode does when
-    it has no clean-up to apply, without its per-call argument conversion (which costs several
-    times the decoding itself, twice per token per sequence)."""
-
-    def __init__(self, backend: Any) -> None:
-        self._decode = backend.decode
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return str(self._decode(token_ids, skip_special_tokens=skip_special_tokens))
-
-
-def fast_decoder(tokenizer: Any) -> Any:
-    """An object with the tokenizer's `decode(ids, skip_special_tokens=...)`, as fast as it can
-    be while giving the same text: the backend when the tokenizer is a fast one that does no
-    clean-up of spaces, the tokenizer itself otherwise."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "decode"):
-        return tokenizer
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
-        forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
-        if type(model).__name__ != "BPE" or getattr(tokenizer, forced, False):
-            return tokenizer  # transformers would clean up the text: let it
-    return _BackendDecoder(backend)
-
-
 def init_offsets(seq: Sequence) -> None:
     seq.read_offset = seq.num_prompt_tokens
     seq.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT, 0)

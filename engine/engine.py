@@ -17,13 +17,7 @@ from engine import beam_search
 from engine.attention.base import AttentionBackend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import (
-    decode_delta,
-    decode_output,
-    fast_decoder,
-    find_stop,
-    init_offsets,
-)
+from engine.detokenizer import decode_delta, decode_output, find_stop, init_offsets
 from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
 from engine.models.loader import DTYPES, load_config, load_model, load_tokenizer, max_positions
@@ -32,6 +26,7 @@ from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.tokenizer import fast_decoder, fast_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +48,7 @@ class Engine:
         self.max_model_len = config.max_model_len or limit
         self.tokenizer = load_tokenizer(config.model)
         self.decoder = fast_decoder(self.tokenizer)
+        self._encode = fast_encoder(self.tokenizer)
         self.model = load_model(config.model, hf_config, config.dtype, self.device, limit)
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
@@ -323,7 +319,7 @@ class Engine:
     # -- helpers ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            token_ids = list(self.tokenizer(prompt).input_ids)
+            token_ids = self._encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                               for t in prompt):
             token_ids = list(prompt)

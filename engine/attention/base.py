@@ -47,8 +47,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query [num_tokens, num_heads, head_size] -> output of the same shape."""
+                meta: AttentionMetadata, scale: float, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        """query [num_tokens, num_heads, head_size] -> output of the same shape. `key` and
+        `value` are this step's new keys/values, rows aligned with `query` (already written to
+        the cache); a backend may use them for sequences with no cached context."""
 
     def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor,
                      dst: torch.Tensor) -> None:

@@ -31,7 +31,8 @@ class CupyAttentionBackend(AttentionBackend):
                                            slot_mapping.to(torch.int64).contiguous()))
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
         query = _rows(query)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_seqs = len(meta.seq_lens_list)

@@ -3,8 +3,9 @@
 Decode sequences (one query each) run as one batch: on the CPU in float32 through a small C++
 kernel that reads the cache in place (cpu_kernels.py); otherwise their keys and values are
 gathered through the block table into a padded [batch, context] view, grouped by context length
-so short sequences do not pay for the longest one. Prefill chunks run one sequence at a time with a
-causal mask offset by the cached context.
+so short sequences do not pay for the longest one. Prefills with no cached context (the whole
+prompt in this step) of equal length run as one batch on this step's keys and values; other
+prefill chunks run one sequence at a time with a causal mask offset by the cached context.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class TorchAttentionBackend(AttentionBackend):
         flat_v.index_copy_(0, slot_mapping, value)
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(query)
         nd = meta.num_decode_seqs
         if nd and cpu_kernels.supports(query, key_cache):
@@ -42,11 +44,36 @@ class TorchAttentionBackend(AttentionBackend):
                                           meta.block_tables[lo:hi], meta.seq_lens[lo:hi],
                                           max(meta.seq_lens_list[lo:hi]), scale)
         starts = meta.query_start_loc.tolist() if nd < len(meta.seq_lens_list) else []
+        fresh: dict[int, list[int]] = {}  # length -> prefills with no cached context
         for i in range(nd, len(meta.seq_lens_list)):
             lo, hi = starts[i], starts[i + 1]
+            if key is not None and value is not None and hi - lo == meta.seq_lens_list[i]:
+                fresh.setdefault(hi - lo, []).append(i)
+                continue
             out[lo:hi] = self._prefill(query[lo:hi], key_cache, value_cache,
                                        meta.block_tables[i], meta.seq_lens_list[i], scale)
+        for length, seqs in fresh.items():
+            assert key is not None and value is not None
+            rows = torch.cat([torch.arange(starts[i], starts[i] + length) for i in seqs])
+            rows = rows.to(query.device)
+            out[rows] = self._fresh(query[rows], key[rows], value[rows], len(seqs), scale)
         return out
+
+    @staticmethod
+    def _fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: int,
+               scale: float) -> torch.Tensor:
+        """`batch` whole prompts of one length, rows concatenated: causal attention over their
+        own keys, one SDPA call."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = key.shape[1]
+
+        def split(x: torch.Tensor) -> torch.Tensor:  # [batch, heads, length, head_dim]
+            return x.view(batch, -1, x.shape[1], head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(split(query), split(key), split(value),
+                                             is_causal=True, scale=scale,
+                                             enable_gqa=num_heads != num_kv_heads)
+        return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
 
     @staticmethod
     def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -33,7 +33,7 @@ class GPT2Attention(nn.Module):
         q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         key_cache, value_cache = ctx.kv_cache[self.layer_idx]
         ctx.backend.write_kv(k, v, key_cache, value_cache, ctx.meta.slot_mapping)
-        out = ctx.backend.forward(q, key_cache, value_cache, ctx.meta, self.scale)
+        out = ctx.backend.forward(q, key_cache, value_cache, ctx.meta, self.scale, key=k, value=v)
         return self.c_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = ctx.kv_cache[self.layer_idx]
         ctx.backend.write_kv(k, v, key_cache, value_cache, ctx.meta.slot_mapping)
-        out = ctx.backend.forward(q, key_cache, value_cache, ctx.meta, self.scale)
+        out = ctx.backend.forward(q, key_cache, value_cache, ctx.meta, self.scale, key=k, value=v)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -2,40 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.detokenizer import _BackendDecoder, decode_delta, fast_decoder, init_offsets
+from engine.detokenizer import decode_delta, init_offsets
 from engine.sequence import Sequence
+from engine.tokenizer import fast_decoder
 from tests.engine.conftest import assert_drained, random_prompts
-
-
-def test_fast_decoder_gives_the_tokenizers_text(tiny_llama):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
-    decoder = fast_decoder(tok)
-    assert isinstance(decoder, _BackendDecoder)  # the test tokenizer does no space clean-up
-    rng = random.Random(5)
-    special = sorted(tok.all_special_ids)
-    assert special
-    for _ in range(200):
-        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))]
-        ids.insert(rng.randrange(len(ids) + 1), rng.choice(special))
-        for skip in (True, False):
-            assert decoder.decode(ids, skip_special_tokens=skip) == \
-                tok.decode(ids, skip_special_tokens=skip)
-
-
-def test_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tiny_llama):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
-    tok.clean_up_tokenization_spaces = True
-    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
-    assert fast_decoder(tok) is tok
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["tokenizer", "backend"])

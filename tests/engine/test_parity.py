@@ -61,3 +61,16 @@ def test_text_prompts_are_tokenized_like_transformers(tiny_llama, make_llm):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, ids, MAX_TOKENS)
     assert [o.outputs[0].text for o in outs] == [
         tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_mha_untied", "gpt2"])
+def test_equal_length_prompts_prefilled_as_one_batch_match_transformers(arch, model_dirs,
+                                                                        make_llm):
+    # Whole prompts of one length share a single batched attention call in the prefill step.
+    prompts = [p[:7] for p in random_prompts(5, seed=4, lo=7, hi=7)] + \
+        [p[:12] for p in random_prompts(4, seed=5, lo=12, hi=12)] + random_prompts(1, seed=6)
+    assert sorted(map(len, prompts))[:9] == [7] * 5 + [12] * 4
+    llm = make_llm(model_dirs[arch], max_num_batched_tokens=2048)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dirs[arch], prompts,
+                                                               MAX_TOKENS)
