@@ -9,12 +9,16 @@ there are `width` of them. The request keeps its `width` best hypotheses and ret
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from engine.block_manager import BlockManager
+from engine.detokenizer import decode_output
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceGroup
 
 
 @dataclass
@@ -76,3 +80,48 @@ def is_done(hypotheses: list[Sequence], beams: list[Sequence], params: SamplingP
 def best(hypotheses: list[Sequence], params: SamplingParams, keep: int) -> list[Sequence]:
     return sorted(hypotheses, key=lambda h: -score(h.ranking_logprob, h.num_output_tokens,
                                                    params.length_penalty))[:keep]
+
+
+def advance(group: SequenceGroup, members: list[tuple[Sequence, int]], logits: torch.Tensor,
+            block_manager: BlockManager, decoder: Any, eos_ids: set[int], max_model_len: int,
+            new_id: Callable[[], int]) -> int:
+    """One beam-search step of `group`: its live beams `members` (sequence, logits row) pick
+    their candidates; beams that continue fork (sharing blocks), finished hypotheses are kept
+    up to the width, dropped beams free their blocks. Returns the number of tokens appended."""
+    params, width = group.params, group.width
+    live = [seq for seq, _ in members]
+    rows = logits[torch.tensor([r for _, r in members], device=logits.device)]
+    last = (params.max_tokens is not None
+            and live[0].num_output_tokens + 1 >= params.max_tokens) \
+        or live[0].num_tokens + 1 >= max_model_len
+    next_beams, finished = select(live, rows, width, eos_ids, params, last)
+    reused: set[int] = set()
+    targets = []
+    for cand in next_beams + finished:  # forks first: they copy the parent before appends
+        if not cand.finishes and id(cand.parent) not in reused:
+            reused.add(id(cand.parent))
+            targets.append(cand.parent)
+            continue
+        child = cand.parent.fork(new_id(), new_id())
+        if not cand.finishes:
+            block_manager.fork(cand.parent, child)
+        group.seqs.append(child)
+        targets.append(child)
+    for cand, seq in zip(next_beams + finished, targets):
+        seq.token_ids.append(cand.token)
+        seq.cumulative_logprob = cand.cumulative
+        if cand.finishes:
+            seq.finish_reason = "stop" if cand.token in eos_ids \
+                and not params.ignore_eos else "length"
+            seq.output_text = decode_output(decoder, seq, seq.num_output_tokens,
+                                            params.skip_special_tokens)
+    dropped = [s for s in live if id(s) not in reused]
+    hypotheses = best([s for s in group.seqs if s.finished], params, width)
+    beams_now = [s for s in group.live_seqs() if id(s) not in {id(d) for d in dropped}]
+    if is_done(hypotheses, beams_now, params, width):
+        dropped, beams_now = dropped + beams_now, []
+    keep = {id(s) for s in hypotheses} | {id(s) for s in beams_now}
+    for seq in dropped:
+        block_manager.free(seq)
+    group.seqs = [s for s in group.seqs if id(s) in keep]
+    return len(targets)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 import time
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 
 from engine import beam_search
-from engine.attention.base import AttentionBackend
+from engine.attention.selector import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import decode_delta, decode_output, find_stop, init_offsets
@@ -27,8 +26,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.tokenizer import fast_decoder, fast_encoder
-
-logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -52,7 +49,7 @@ class Engine:
         self.model = load_model(config.model, hf_config, config.dtype, self.device, limit)
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
-        backend = _make_backend(config, self.device, self.model.head_dim)  # type: ignore
+        backend = select_backend(config, self.device, self.model.head_dim)  # type: ignore
         block_bytes = bytes_per_block(self.model.num_layers, config.block_size,  # type: ignore
                                       self.model.num_kv_heads, self.model.head_dim,  # type: ignore
                                       DTYPES[config.dtype])
@@ -190,7 +187,9 @@ class Engine:
                                                           result.logprobs, result.top_logprobs):
                 self._append(group, seq, token, lp, top)
         for group, members in beams.values():
-            self._beam_step(group, members, logits)
+            self.counters["num_generated_tokens"] += beam_search.advance(
+                group, members, logits[:, : self.vocab_size], self.block_manager, self.decoder,
+                self.eos_token_ids, self.max_model_len, lambda: next(self._seq_ids))
         now = time.monotonic()
         for group in {id(item.group): item.group for item in sampled}.values():
             if group.first_token_time is None:
@@ -201,48 +200,6 @@ class Engine:
             if not seqs or (seqs[0].finish_reason is not None and group.is_finished()):
                 self.scheduler.running.remove(group)
                 self._finish_group(group)
-
-    def _beam_step(self, group: SequenceGroup, members: list[tuple[Sequence, int]],
-                   logits: torch.Tensor) -> None:
-        params, width = group.params, group.width
-        live = [seq for seq, _ in members]
-        rows = logits[torch.tensor([r for _, r in members], device=logits.device),
-                      : self.vocab_size]
-        last = (params.max_tokens is not None
-                and live[0].num_output_tokens + 1 >= params.max_tokens) \
-            or live[0].num_tokens + 1 >= self.max_model_len
-        next_beams, finished = beam_search.select(live, rows, width, self.eos_token_ids, params,
-                                                  last)
-        reused: set[int] = set()
-        targets = []
-        for cand in next_beams + finished:  # forks first: they copy the parent before appends
-            if not cand.finishes and id(cand.parent) not in reused:
-                reused.add(id(cand.parent))
-                targets.append(cand.parent)
-                continue
-            child = cand.parent.fork(next(self._seq_ids), next(self._seq_ids))
-            if not cand.finishes:
-                self.block_manager.fork(cand.parent, child)
-            group.seqs.append(child)
-            targets.append(child)
-        for cand, seq in zip(next_beams + finished, targets):
-            seq.token_ids.append(cand.token)
-            seq.cumulative_logprob = cand.cumulative
-            self.counters["num_generated_tokens"] += 1
-            if cand.finishes:
-                seq.finish_reason = "stop" if cand.token in self.eos_token_ids \
-                    and not params.ignore_eos else "length"
-                seq.output_text = decode_output(self.decoder, seq, seq.num_output_tokens,
-                                                params.skip_special_tokens)
-        dropped = [s for s in live if id(s) not in reused]
-        hypotheses = beam_search.best([s for s in group.seqs if s.finished], params, width)
-        beams_now = [s for s in group.live_seqs() if id(s) not in {id(d) for d in dropped}]
-        if beam_search.is_done(hypotheses, beams_now, params, width):
-            dropped, beams_now = dropped + beams_now, []
-        keep = {id(s) for s in hypotheses} | {id(s) for s in beams_now}
-        for seq in dropped:
-            self.block_manager.free(seq)
-        group.seqs = [s for s in group.seqs if id(s) in keep]
 
     def _append(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float | None,
                 top: dict[int, float] | None) -> None:
@@ -347,31 +304,3 @@ def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
     if ids is None:
         return set()
     return set(ids) if isinstance(ids, list) else {int(ids)}
-
-
-def _make_backend(config: EngineConfig, device: torch.device, head_dim: int) -> AttentionBackend:
-    """"cupy" (our CUDA kernels) on a CUDA device when CuPy imports and a kernel variant exists
-    for this cache; "torch" otherwise."""
-    name = config.attention_backend
-    if name is None:
-        name = "torch"
-        if device.type == "cuda":
-            from engine import kernels
-
-            if not kernels.cupy_available():
-                logger.warning("cupy is not importable: using the torch attention backend")
-            elif not kernels.supports(DTYPES[config.dtype], head_dim, config.block_size):
-                logger.warning("no CUDA kernel variant for %s, head size %d, block size %d: "
-                               "using the torch attention backend", config.dtype, head_dim,
-                               config.block_size)
-            else:
-                name = "cupy"
-    if name == "cupy":
-        if device.type != "cuda":
-            raise ValueError("attention_backend='cupy' needs a CUDA device")
-        from engine.attention.cupy_backend import CupyAttentionBackend
-
-        return CupyAttentionBackend()
-    from engine.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend()
