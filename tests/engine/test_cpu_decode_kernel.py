@@ -65,3 +65,20 @@ def test_flat_and_peaked_softmax_match_the_reference(magnitude):
     # previous two-pass kernel with libm's exp differed from torch by the same 2.4e-5).
     tol = 1e-5 if magnitude < 1 else 1e-4
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_kernel_shares_torchs_openmp_runtime_and_is_deterministic_across_threads():
+    q, k, v, tables, lens = _case(8, 2, 64, 16, seed=5, batch=40)
+    assert cpu_kernels.available()
+    runtimes = {line.split()[-1] for line in open("/proc/self/maps").read().splitlines()
+                if "libgomp" in line}
+    assert len(runtimes) == 1  # the kernel's OpenMP is torch's, not a second pool
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

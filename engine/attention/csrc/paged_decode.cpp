@@ -5,7 +5,8 @@
 // One pass over the sequence, one cache block at a time (online softmax: a running max and sum
 // per query head, the accumulator rescaled once per block). A block's K rows for all KV heads
 // are contiguous, so a work item that covers every KV head of a sequence streams memory in
-// order. Work items are (sequence, range of KV heads), shared by `num_threads` std::threads.
+// order. Work items are (sequence, range of KV heads), shared by `num_threads` threads: torch's
+// OpenMP pool when built with -fopenmp, std::threads otherwise.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -167,6 +168,20 @@ extern "C" int genq_paged_decode_f32(const float* q, const float* k_cache, const
   const int split = num_seqs >= 4 * num_threads ? 1 : num_kv_heads;
   const int per_item = num_kv_heads / split;
   const int items = num_seqs * split;
+#ifdef _OPENMP
+  // torch's own OpenMP runtime (libgomp.so.1 is already loaded by torch, and the loader reuses
+  // it): its worker threads, which spin for a while after every torch op, do this work instead
+  // of competing with threads of our own for the same cores.
+#pragma omp parallel num_threads(num_threads)
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < items; ++i) {
+      const int kh0 = (i % split) * per_item;
+      attend(a, i / split, kh0, kh0 + per_item, scratch);
+    }
+  }
+#else
   std::atomic<int> next{0};
   auto work = [&] {
     Scratch scratch;
@@ -179,5 +194,6 @@ extern "C" int genq_paged_decode_f32(const float* q, const float* k_cache, const
   for (int t = 1; t < num_threads && t < items; ++t) pool.emplace_back(work);
   work();
   for (auto& th : pool) th.join();
+#endif
   return 0;
 }
