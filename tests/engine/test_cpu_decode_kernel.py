@@ -73,6 +73,8 @@ def test_kernel_shares_torchs_openmp_runtime_and_is_deterministic_across_threads
     runtimes = {line.split()[-1] for line in open("/proc/self/maps").read().splitlines()
                 if "libgomp" in line}
     assert len(runtimes) == 1  # the kernel's OpenMP is torch's, not a second pool
+    library = cpu_kernels._library()
+    assert library is not None and b"GOMP_parallel" in open(library._name, "rb").read()
     before = torch.get_num_threads()
     try:
         outs = []
