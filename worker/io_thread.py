@@ -161,12 +161,13 @@ class Writer(threading.Thread):
             args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs)]
             self.scripts.write_events(keys=keys, args=args, client=pipe)
             calls.append("events")
-        for fin in batch.finishes:
-            keys = [self.jobs_key, fin.reply_key or self.jobs_key, self.dead_key]
-            fargs: list[Any] = [self.group, self.me, fin.entry_id, fin.deliveries, self.reply_ttl,
-                    fin.event or b"", self.dead_ttl, len(fin.dead_fields), *fin.dead_fields,
-                    len(fin.readd_fields), *fin.readd_fields]
-            self.scripts.finish(keys=keys, args=fargs, client=pipe)
+        step = self.max_events_per_call
+        for lo in range(0, len(batch.finishes), step):
+            fins = batch.finishes[lo:lo + step]
+            self.scripts.finish(keys=[self.jobs_key, self.dead_key,
+                                      *(fin.reply_key or self.jobs_key for fin in fins)],
+                                args=finish_args(fins, self.group, self.me, self.reply_ttl,
+                                                 self.dead_ttl), client=pipe)
             calls.append("finish")
         results = pipe.execute()
         for kind, result in zip(calls, results, strict=True):
@@ -177,6 +178,16 @@ class Writer(threading.Thread):
         self.num_token_events_in += sum(len(w.events) for w in batch.events)
         for fin in batch.finishes:
             self.finished.put(fin.entry_id)
+
+
+def finish_args(finishes: list[FinishWrite], group: str, me: str, reply_ttl: int,
+                dead_ttl: int) -> list[Any]:
+    """ARGV of one FINISH_LUA call (worker/scripts.py) for `finishes`. The index is packed with
+    msgpack's str type for bytes too: Redis's cmsgpack reads it as Lua strings."""
+    index = [[fin.entry_id, fin.deliveries, len(fin.event or b""), fin.dead_fields,
+              fin.readd_fields] for fin in finishes]
+    blob = b"".join(fin.event or b"" for fin in finishes)
+    return [group, me, reply_ttl, dead_ttl, msgpack.packb(index, use_bin_type=False), blob]
 
 
 def coalesce(writes: list[EventWrite]) -> list[EventWrite]:

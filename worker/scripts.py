@@ -49,33 +49,46 @@ end
 return lost
 """
 
-# The end of one attempt: optional terminal event, optional dead letter, optional re-add (a
-# draining worker handing the job back), then XACK + XDEL; all or nothing, and only if owned.
-# KEYS: jobs stream, reply key (or any placeholder), dead-letter stream.
-# ARGV: group, me, entry id, deliveries, reply ttl, event ('' = none), dead ttl,
-#       num dead field args, dead field args..., num re-add field args, re-add field args...
-# Returns 1 when written, 0 when the entry is no longer this worker's.
+# The ends of many attempts in one call. Per attempt: optional terminal event, optional dead
+# letter, optional re-add (a draining worker handing the job back), then XACK + XDEL; all or
+# nothing, and only if this worker still owns the entry.
+# KEYS: jobs stream, dead-letter stream, reply key of finish 1..k (the jobs stream when none).
+# ARGV: group, me, reply ttl, dead ttl,
+#       index = msgpack [[entry id, deliveries, event length, dead fields, re-add fields], ...]
+#       (field lists flat: name, value, ...; one per reply key, same order),
+#       blob = the terminal events concatenated (length 0: no event).
+# Returns per finish 1 when written, 0 when the entry is no longer this worker's.
 FINISH_LUA = _OWNS + """
-local group, me, id = ARGV[1], ARGV[2], ARGV[3]
-if not owns(KEYS[1], group, id, me, ARGV[4]) then return 0 end
-if ARGV[6] ~= '' then
-  redis.call('XADD', KEYS[2], '*', 'e', ARGV[6])
-  redis.call('EXPIRE', KEYS[2], ARGV[5])
+local group, me, ttl, dead_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local index = cmsgpack.unpack(ARGV[5])
+local blob = ARGV[6]
+local done = {}
+local offset = 1
+for k = 3, #KEYS do
+  local f = index[k - 2]
+  local id, n = f[1], f[3]
+  local event = string.sub(blob, offset, offset + n - 1)
+  offset = offset + n
+  if owns(KEYS[1], group, id, me, f[2]) then
+    if n > 0 then
+      redis.call('XADD', KEYS[k], '*', 'e', event)
+      redis.call('EXPIRE', KEYS[k], ttl)
+    end
+    if #f[4] > 0 then
+      redis.call('XADD', KEYS[2], '*', unpack(f[4]))
+      redis.call('EXPIRE', KEYS[2], dead_ttl)
+    end
+    if #f[5] > 0 then
+      redis.call('XADD', KEYS[1], '*', unpack(f[5]))
+    end
+    redis.call('XACK', KEYS[1], group, id)
+    redis.call('XDEL', KEYS[1], id)
+    done[#done + 1] = 1
+  else
+    done[#done + 1] = 0
+  end
 end
-local a = 8
-local n = tonumber(ARGV[a])
-if n > 0 then
-  redis.call('XADD', KEYS[3], '*', unpack(ARGV, a + 1, a + n))
-  redis.call('EXPIRE', KEYS[3], ARGV[7])
-end
-a = a + n + 1
-n = tonumber(ARGV[a])
-if n > 0 then
-  redis.call('XADD', KEYS[1], '*', unpack(ARGV, a + 1, a + n))
-end
-redis.call('XACK', KEYS[1], group, id)
-redis.call('XDEL', KEYS[1], id)
-return 1
+return done
 """
 
 # Heartbeat-gated reclaim: claim up to `count` pending entries of consumers whose heartbeat key

@@ -14,7 +14,7 @@ from producer.protocol import (
     tokens_event,
 )
 from tests.fleet.harness import RedisServer
-from worker.io_thread import Batch, EventWrite, FinishWrite, Writer, coalesce
+from worker.io_thread import Batch, EventWrite, FinishWrite, Writer, coalesce, finish_args
 from worker.scripts import Scripts
 
 KEYS = Keys()
@@ -84,9 +84,10 @@ def test_a_stale_delivery_count_is_fenced_too(redis_server: RedisServer) -> None
     (entry,) = setup_group(redis_server, "me", 1)
     conn = redis_server.client()
     conn.xclaim(JOBS, "workers", "me", 0, [entry])  # deliveries is now 2
-    done = Scripts(conn).finish(keys=[JOBS, KEYS.reply("j0"), KEYS.dead("m")],
-                                args=["workers", "me", entry, 1, 60, b"", 60, 0, 0])
-    assert done == 0 and conn.xpending(JOBS, "workers")["pending"] == 1
+    done = Scripts(conn).finish(keys=[JOBS, KEYS.dead("m"), KEYS.reply("j0")],
+                                args=finish_args([FinishWrite(entry, 1, KEYS.reply("j0"), None)],
+                                                 "workers", "me", 60, 60))
+    assert done == [0] and conn.xpending(JOBS, "workers")["pending"] == 1
 
 
 def test_reclaim_takes_only_entries_of_workers_without_a_heartbeat(
