@@ -228,6 +228,7 @@ class Worker:
         batch = Batch()
         now = time.monotonic()
         m = self.metrics
+        step_tokens = 0
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
@@ -237,7 +238,7 @@ class Worker:
             events = token_events(job, out)
             new_tokens = sum(job.sent_tokens.values()) - sent_before
             if new_tokens > 0:
-                m.tokens.inc(new_tokens)
+                step_tokens += new_tokens
                 if not had_first and job.first_token_at is not None:
                     m.ttft.observe(job.first_token_at - job.admitted_at)
                 elif job.entry_id in self._last_tokens_at:
@@ -252,6 +253,8 @@ class Worker:
                                                      for c in out.outputs)
                 m.jobs_finished.inc(outcome="engine_error" if failed else "done")
                 self._finish(job, terminal_event(job, out), batch)
+        if step_tokens:
+            m.tokens.inc(step_tokens)
         self.writer.submit(batch)
 
     def _finish(self, job: ActiveJob, event: bytes | None, batch: Batch,

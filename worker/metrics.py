@@ -9,6 +9,7 @@ sampled by the heartbeat thread, which talks to Redis anyway.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import threading
@@ -59,6 +60,8 @@ class _Metric:
         self._lock = threading.Lock()
 
     def _key(self, labels: dict[str, str]) -> LabelKey:
+        if not labels and not self.labelnames:
+            return ()  # the per-token hot path: no label set to build
         if set(labels) != set(self.labelnames):
             raise ValueError(f"{self.name} takes labels {self.labelnames}, got {sorted(labels)}")
         return tuple(str(labels[n]) for n in self.labelnames)
@@ -131,9 +134,7 @@ class Histogram(_Metric):
 
     def observe(self, value: float, **labels: str) -> None:
         key = self._key(labels)
-        i = 0
-        while i < len(self.buckets) and value > self.buckets[i]:
-            i += 1
+        i = bisect.bisect_left(self.buckets, value)  # the first bucket with value <= le
         with self._lock:
             counts, total = self._data.setdefault(key, ([0] * (len(self.buckets) + 1), [0.0]))
             counts[i] += 1
