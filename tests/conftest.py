@@ -1,10 +1,22 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.fleet.harness import WorkerFactory
 from tests.tiny_models import ARCHS, build_model, build_tokenizer
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing test shows the tail of every live worker's log (tmp dirs get rotated)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "call" and report.failed:
+        for title, text in WorkerFactory.log_tails():
+            report.sections.append((title, text))
 
 
 @pytest.fixture(scope="session")

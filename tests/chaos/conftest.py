@@ -1,27 +1,17 @@
-"""Chaos fixtures: the offline oracle (the same LLM.generate the fleet tests compare with) and the
-worker-log hook, replicated here so tests/chaos stands on its own."""
+"""Chaos fixtures: the offline oracle (the same LLM.generate the fleet tests compare with). The
+hook that shows worker logs on a failure lives in tests/conftest.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fleet.harness import Expected, WorkerFactory
+from tests.fleet.harness import Expected
 
 Oracle = Callable[[list[str], list[dict[str, Any]]], list[Expected]]
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """A failing chaos test shows the tail of every live worker's log."""
-    outcome = yield
-    report = outcome.get_result()  # type: ignore[attr-defined]
-    if report.when == "call" and report.failed:
-        for title, text in WorkerFactory.log_tails():
-            report.sections.append((title, text))
 
 
 @pytest.fixture(scope="session")

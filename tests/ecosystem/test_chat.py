@@ -26,8 +26,8 @@ import pytest
 
 from producer.async_client import AsyncClient
 from producer.client import Client
-from tests.ecosystem.test_gateway import MODEL_DIR, REPO, GatewayProcess
-from tests.fleet.harness import RedisServer, WorkerFactory, wait_heartbeats
+from tests.ecosystem.gateway_harness import MODEL_DIR, REPO, GatewayProcess, gateway_fleet
+from tests.fleet.harness import RedisServer
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\ndef{% endif %}")
@@ -52,27 +52,10 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory,
           chat_model: Path) -> Iterator[tuple[RedisServer, GatewayProcess]]:
-    tmp = tmp_path_factory.mktemp("chat-fleet")
-    server = RedisServer(tmp)
-    server.start()
-    workers = WorkerFactory(tmp)
-    gateway = None
-    try:
-        chat_worker = workers.start(server.url, chat_model, "chat-worker", served_name="chat")
-        plain_worker = workers.start(server.url, MODEL_DIR, "plain-worker", served_name="plain")
-        gateway = GatewayProcess(server.url, tmp / "gateway.log", "--resume-grace", "0.2")
-        wait_heartbeats(server, [chat_worker, plain_worker])
-        yield server, gateway
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        workers.stop_all()
-        server.kill()
-
-
-@pytest.fixture(scope="module")
-def client(fleet: tuple[RedisServer, GatewayProcess]) -> openai.OpenAI:
-    return fleet[1].openai()
+    workers = [(chat_model, "chat-worker", "chat"), (MODEL_DIR, "plain-worker", "plain")]
+    with gateway_fleet(tmp_path_factory.mktemp("chat-fleet"), workers,
+                       "--resume-grace", "0.2") as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,80 +22,22 @@ import httpx
 import openai
 import pytest
 
+from tests.ecosystem.gateway_harness import MODEL_DIR, REPO, GatewayProcess, gateway_fleet
 from tests.fleet.harness import (
     RedisServer,
-    WorkerFactory,
-    free_port,
     reply_events,
     wait_for,
-    wait_heartbeats,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-MODEL_DIR = REPO / "models" / "genq-tiny-stdlib"
 PROMPT = "def main("
 Oracle = Callable[[str, dict[str, Any]], list[tuple[str, str | None, int]]]
 
 
-class GatewayProcess:
-    def __init__(self, redis_url: str, log: Path, *extra: str) -> None:
-        self.port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "producer.cli", "gateway", "--redis", redis_url,
-                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
-                 *extra], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        self.log = log
-
-        def up() -> bool:
-            assert self.proc.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, timeout=60, interval=0.1, what="the gateway")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
-                             timeout=120)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, GatewayProcess]]:
-    tmp = tmp_path_factory.mktemp("gateway")
-    server = RedisServer(tmp)
-    server.start()
-    workers = WorkerFactory(tmp)
-    gateway = None
-    try:
-        worker = workers.start(server.url, MODEL_DIR, "gw-worker")
-        gateway = GatewayProcess(server.url, tmp / "gateway.log", "--resume-grace", "0.2")
-        wait_heartbeats(server, [worker])
-        yield server, gateway
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        workers.stop_all()
-        server.kill()
-
-
-@pytest.fixture(scope="module")
-def client(fleet: tuple[RedisServer, GatewayProcess]) -> openai.OpenAI:
-    return fleet[1].openai()
+    with gateway_fleet(tmp_path_factory.mktemp("gateway"), [(MODEL_DIR, "gw-worker", "tiny")],
+                       "--resume-grace", "0.2") as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

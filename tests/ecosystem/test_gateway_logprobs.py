@@ -21,9 +21,10 @@ from typing import Any
 import openai
 import pytest
 
+from tests.ecosystem.gateway_harness import MODEL_DIR, GatewayProcess, gateway_fleet
 from tests.ecosystem.test_chat import CHAT, TEMPLATE
-from tests.ecosystem.test_gateway import MODEL_DIR, PROMPT, GatewayProcess
-from tests.fleet.harness import RedisServer, WorkerFactory, reply_events, wait_heartbeats
+from tests.ecosystem.test_gateway import PROMPT
+from tests.fleet.harness import RedisServer, reply_events
 
 # (token id, {id: logprob} of the sampled token and the top-k) per position, per sequence
 Positions = list[tuple[int, dict[int, float]]]
@@ -43,26 +44,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory,
           model: Path) -> Iterator[tuple[RedisServer, GatewayProcess]]:
-    tmp = tmp_path_factory.mktemp("logprobs-fleet")
-    server = RedisServer(tmp)
-    server.start()
-    workers = WorkerFactory(tmp)
-    gateway = None
-    try:
-        worker = workers.start(server.url, model, "lp-worker", served_name="tiny")
-        gateway = GatewayProcess(server.url, tmp / "gateway.log")
-        wait_heartbeats(server, [worker])
-        yield server, gateway
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        workers.stop_all()
-        server.kill()
-
-
-@pytest.fixture(scope="module")
-def client(fleet: tuple[RedisServer, GatewayProcess]) -> openai.OpenAI:
-    return fleet[1].openai()
+    with gateway_fleet(tmp_path_factory.mktemp("logprobs-fleet"),
+                       [(model, "lp-worker", "tiny")]) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,6 @@ import pytest
 from tests.fleet.harness import Expected, RedisServer, WorkerFactory
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """A failing fleet test shows the tail of every live worker's log (tmp dirs get rotated)."""
-    outcome = yield
-    report = outcome.get_result()  # type: ignore[attr-defined]
-    if report.when == "call" and report.failed:
-        for title, text in WorkerFactory.log_tails():
-            report.sections.append((title, text))
-
-
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path)

@@ -8,10 +8,6 @@ logged there (and fail), even on a path whose caller swallows the error.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +19,10 @@ import redis
 
 from producer import Client, JobError
 from producer.protocol import Keys
+from tests.ecosystem.gateway_harness import GatewayProcess
 from tests.fleet.harness import (
-    REPO,
     WorkerFactory,
     WorkerProcess,
-    free_port,
     wait_for,
     wait_heartbeats,
 )
@@ -120,39 +115,6 @@ def test_worker_and_producer_run_jobs_through_their_users(
     dead = wait_for(lambda: admin.xrange(KEYS.dead("tiny")), timeout=30, what="a dead letter")
     assert [(f[b"entry"].decode(), f[b"code"]) for _id, f in dead] == [(entry, b"bad_id")]
     assert server.acl_log() == []
-
-
-class GatewayProcess:
-    def __init__(self, redis_url: str, log: Path) -> None:
-        self.port = free_port()
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "producer.cli", "gateway", "--redis", redis_url,
-                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
-                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
-                stderr=subprocess.STDOUT)
-
-        def up() -> bool:
-            assert self.proc.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, timeout=90, interval=0.1, what="the gateway")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def test_the_gateway_serves_through_its_user(server: SecureRedis, worker: WorkerProcess,
