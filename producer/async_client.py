@@ -13,23 +13,17 @@ from redis import TimeoutError as RedisTimeoutError
 
 from producer.client import (
     BLOCK_MS,
-    DEFAULT_CANCEL_TTL,
-    DEFAULT_IDEMPOTENCY_TTL,
-    DEFAULT_STREAM_TTL,
     DEFAULT_URL,
+    ClientSettings,
     Messages,
     Prompt,
     make_job_spec,
     result_from_events,
 )
 from producer.protocol import (
-    DEFAULT_PREFIX,
-    PROTOCOL_VERSION,
     REPLY_FIELD,
     SUBMIT_LUA,
-    Keys,
     decode_event,
-    encode_job_entry,
 )
 from producer.replies import ReplyDeduper
 
@@ -40,16 +34,9 @@ def connect_async(url: str, *, blocking: bool = False) -> aioredis.Redis:
                                    socket_connect_timeout=5.0)
 
 
-class AsyncClient:
-    def __init__(self, url: str = DEFAULT_URL, *, prefix: str = DEFAULT_PREFIX,
-                 idempotency_ttl: int = DEFAULT_IDEMPOTENCY_TTL,
-                 stream_ttl: int = DEFAULT_STREAM_TTL,
-                 cancel_ttl: int = DEFAULT_CANCEL_TTL) -> None:
-        self.url = url
-        self.keys = Keys(prefix)
-        self.idempotency_ttl = idempotency_ttl
-        self.stream_ttl = stream_ttl
-        self.cancel_ttl = cancel_ttl
+class AsyncClient(ClientSettings):
+    def __init__(self, url: str = DEFAULT_URL, **settings: Any) -> None:
+        super().__init__(url, **settings)
         self.redis = connect_async(url)
         self.blocking_redis = connect_async(url, blocking=True)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
@@ -59,10 +46,8 @@ class AsyncClient:
                      deadline: float | None = None, stream: bool = True) -> AsyncJob:
         """Client.submit's mirror: a prompt, or a chat as `messages=[...]` (keyword)."""
         spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
-        entry = encode_job_entry(spec)
-        entry_id = await self._submit_script(
-            keys=[self.keys.idem(spec.id), self.keys.jobs(model)],
-            args=[self.idempotency_ttl, PROTOCOL_VERSION, entry["job"], self.stream_ttl])
+        keys, args = self.submit_call(spec)
+        entry_id = await self._submit_script(keys=keys, args=args)
         return AsyncJob(self, spec.id, model, created=entry_id is not None)
 
     def job(self, job_id: str, model: str = "") -> AsyncJob:

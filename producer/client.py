@@ -85,8 +85,9 @@ def result_from_events(job_id: str, terminal: dict[str, Any] | None) -> dict[str
     return terminal
 
 
-class Client:
-    """Blocking client. `submit` is idempotent per job id (the id runs once)."""
+class ClientSettings:
+    """What Client and AsyncClient share: the URL, key names, TTLs, and the submit script's
+    arguments for a job."""
 
     def __init__(self, url: str = DEFAULT_URL, *, prefix: str = DEFAULT_PREFIX,
                  idempotency_ttl: int = DEFAULT_IDEMPOTENCY_TTL,
@@ -97,6 +98,20 @@ class Client:
         self.idempotency_ttl = idempotency_ttl
         self.stream_ttl = stream_ttl
         self.cancel_ttl = cancel_ttl
+
+    def submit_call(self, spec: JobSpec) -> tuple[list[Any], list[Any]]:
+        """The keys and args of SUBMIT_LUA for `spec`."""
+        return ([self.keys.idem(spec.id), self.keys.jobs(spec.model)],
+                [self.idempotency_ttl, PROTOCOL_VERSION, encode_job_entry(spec)["job"],
+                 self.stream_ttl])
+
+
+class Client(ClientSettings):
+    """Blocking client. `submit` is idempotent per job id (the id runs once). Keyword settings:
+    prefix, idempotency_ttl, stream_ttl, cancel_ttl (ClientSettings)."""
+
+    def __init__(self, url: str = DEFAULT_URL, **settings: Any) -> None:
+        super().__init__(url, **settings)
         self.redis = connect(url)
         self.blocking_redis = connect(url, blocking=True)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
@@ -107,10 +122,8 @@ class Client:
         """Enqueue one job: a prompt (text or token ids), or a chat as `messages=[{"role": ...,
         "content": ...}, ...]` that the worker renders with the model's chat template."""
         spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
-        entry = encode_job_entry(spec)
-        entry_id = self._submit_script(
-            keys=[self.keys.idem(spec.id), self.keys.jobs(model)],
-            args=[self.idempotency_ttl, PROTOCOL_VERSION, entry["job"], self.stream_ttl])
+        keys, args = self.submit_call(spec)
+        entry_id = self._submit_script(keys=keys, args=args)
         return Job(self, spec.id, model, created=entry_id is not None, entry_id=_text(entry_id))
 
     def submit_many(self, prompts: Sequence[str | Sequence[int]],
@@ -120,10 +133,8 @@ class Client:
         specs = [make_job_spec(p, params, model, None, None, stream) for p in prompts]
         pipe = self.redis.pipeline(transaction=False)
         for spec in specs:
-            self._submit_script(keys=[self.keys.idem(spec.id), self.keys.jobs(model)],
-                                args=[self.idempotency_ttl, PROTOCOL_VERSION,
-                                      encode_job_entry(spec)["job"], self.stream_ttl],
-                                client=pipe)
+            keys, args = self.submit_call(spec)
+            self._submit_script(keys=keys, args=args, client=pipe)
         ids = pipe.execute()
         return [Job(self, spec.id, model, created=eid is not None, entry_id=_text(eid))
                 for spec, eid in zip(specs, ids, strict=True)]
