@@ -171,10 +171,10 @@ class Engine:
                 owners.append((group, seq, index))
                 row_index.append(r)
         if rows:
-            if len(row_index) != logits.shape[0]:  # fan-out rows repeat, beam rows leave
+            if row_index == list(range(logits.shape[0])):
+                logits_rows = logits  # the common case: one sample row per logits row
+            else:  # fan-out rows repeat their parent's row, beam rows go elsewhere
                 logits_rows = logits[torch.tensor(row_index, device=logits.device)]
-            else:
-                logits_rows = logits
             result = self.sampler(logits_rows, rows)
             targets = [seq for _, seq, _ in owners]
             for r, (group, seq, index) in enumerate(owners):

@@ -54,3 +54,21 @@ def test_beam_group_wider_than_the_cache_ends_instead_of_hanging(tiny_llama, mak
     llm = make_llm(tiny_llama, block_size=8, num_gpu_blocks_override=6, watermark=0.0)
     out = llm.generate([PROMPTS[0]], _params(n=1), use_tqdm=False)[0]
     assert out.finished and llm.stats()["num_infeasible"] == 1
+
+
+def test_beam_and_n2_requests_in_one_batch_keep_their_own_logits(model_dirs, make_llm):
+    # After their joint prefill the beam request samples from logits row 0 and the n=2
+    # request's two first samples both from row 1: as many sample rows as logits rows, yet
+    # not one row each. Two prompts whose next tokens differ make a mix-up visible.
+    llm = make_llm(model_dirs["llama"], block_size=8)
+    prompts = random_prompts(12, seed=77, lo=5, hi=20)
+    first = [o.outputs[0].token_ids[0] for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)]
+    a = prompts[0]
+    b = next(p for p, t in zip(prompts, first) if t != first[0])
+    sampled = SamplingParams(n=2, temperature=0.5, seed=9, max_tokens=6, ignore_eos=True)
+    beam_alone = llm.generate([a], _params(), use_tqdm=False)[0]
+    alone = llm.generate([b], sampled, use_tqdm=False)[0]
+    beam, mixed = llm.generate([a, b], [_params(), sampled], use_tqdm=False)
+    assert [c.token_ids for c in beam.outputs] == [c.token_ids for c in beam_alone.outputs]
+    assert [c.token_ids for c in mixed.outputs] == [c.token_ids for c in alone.outputs]
