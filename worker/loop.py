@@ -55,7 +55,7 @@ class Worker:
                              self.keys.group, self.me, cfg.result_ttl, cfg.dead_ttl)
         self.metrics = WorkerMetrics(cfg.served_model_name, self.me, self.jobs_key,
                                      self.keys.group)
-        self.metrics.read_stats_from(lambda: (self._stats, len(self.jobs) + self.num_finishing))
+        self.metrics.read_stats_from(lambda: (self._stats, len(self.jobs) + len(self.finishing)))
         self.metrics_server = metrics_server  # bound already (genq worker), or bound in run()
         self._last_tokens_at: dict[str, float] = {}  # entry id -> monotonic time of last tokens
         self.heartbeat = Heartbeat(self.conn, self.keys.worker(self.me), cfg.heartbeat_ttl,
@@ -65,7 +65,7 @@ class Worker:
         self.cancels = CancelListener(cfg.redis_url, self.keys.cancel_channel)
         self.jobs: dict[str, ActiveJob] = {}  # entry id -> the attempt running in the engine
         self.by_job_id: dict[str, str] = {}  # job id -> entry id
-        self.num_finishing = 0  # finish writes handed to the writer, not yet done
+        self.finishing: set[str] = set()  # entries whose finish write is with the writer
         self.early_cancels: dict[str, float] = {}  # job id -> when its cancel was published
         self.stop_requested = threading.Event()
         self.counters = {"admitted": 0, "completed": 0, "rejected": 0, "reclaimed": 0,
@@ -155,15 +155,20 @@ class Worker:
         return self._drain_end is not None and time.monotonic() > self._drain_end
 
     def _capacity(self) -> int:
-        return free_capacity(self.max_num_seqs, len(self.jobs) + self.num_finishing, self._stats)
+        return free_capacity(self.max_num_seqs, len(self.jobs) + len(self.finishing), self._stats)
 
     def _read_new(self) -> None:
         capacity = self._capacity()
         now = time.monotonic()
-        if capacity > 0 and now >= self._next_reclaim:
+        if capacity > 0 and (now >= self._next_reclaim or self.reader.failed):
             self._next_reclaim = now + self.cfg.reclaim_interval
+            self.reader.failed = False
+            orphans = self.reader.orphans(set(self.jobs) | self.finishing, capacity,
+                                          scan=2 * self.max_num_seqs + 64)
+            self._admit(orphans)
+            capacity -= len(orphans)
             capacity -= self._claim(include_self=False, count=capacity)
-        idle = not self.engine.has_unfinished() and self.num_finishing == 0
+        idle = not self.engine.has_unfinished() and not self.finishing
         self._admit(self.reader.read(capacity, block=idle))
 
     def _claim(self, include_self: bool, count: int) -> int:
@@ -218,7 +223,7 @@ class Worker:
             if r.raw_job is not None:
                 dead += ["job", r.raw_job]
         event = encode_event(error_event(r.attempt, r.code, r.message)) if r.reply_key else None
-        self.num_finishing += 1
+        self.finishing.add(r.entry_id)
         batch.finishes.append(FinishWrite(r.entry_id, r.deliveries, r.reply_key, event,
                                           dead_fields=dead))
 
@@ -263,7 +268,7 @@ class Worker:
         self._last_tokens_at.pop(job.entry_id, None)
         if self.by_job_id.get(job.job_id) == job.entry_id:
             del self.by_job_id[job.job_id]
-        self.num_finishing += 1
+        self.finishing.add(job.entry_id)
         batch.finishes.append(FinishWrite(job.entry_id, job.deliveries, job.reply_key, event,
                                           readd_fields=readd_fields or []))
 
@@ -277,8 +282,7 @@ class Worker:
     def _take_writer_feedback(self) -> None:
         self.writer.check()
         while not self.writer.finished.empty():
-            if self.writer.finished.get():
-                self.num_finishing -= 1
+            self.finishing.discard(self.writer.finished.get())
         while not self.writer.lost.empty():
             entry_id = self.writer.lost.get()
             job = self.jobs.pop(entry_id, None)
@@ -333,7 +337,7 @@ class Worker:
         stats = self._stats
         return {"model": self.cfg.served_model_name, "device": self.cfg.device,
                 "pid": os.getpid(), "capacity": self.max_num_seqs,
-                "held": len(self.jobs) + self.num_finishing,
+                "held": len(self.jobs) + len(self.finishing),
                 "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
                 "swapped": stats.get("num_swapped", 0),
                 "num_free_blocks": stats.get("num_free_blocks", 0),

@@ -36,6 +36,7 @@ class JobReader:
         self.scripts = Scripts(conn)
         self._next_read = 0.0
         self._backoff = 0.05
+        self.failed = False  # a read failed since the loop last looked for orphans
 
     def read(self, count: int, block: bool) -> list[Entry]:
         """Up to `count` new entries (deliveries = 1); waits up to block_ms if `block`."""
@@ -53,6 +54,8 @@ class JobReader:
             self.ensure_group(wait=False)
             return []
         except RETRYABLE as exc:
+            # Redis may have handed us entries whose reply never arrived: Loop adopts them.
+            self.failed = True
             log.warning("reading jobs failed (%s); retrying in %.2f s", exc, self._backoff)
             self._next_read = now + self._backoff
             if block:
@@ -61,6 +64,39 @@ class JobReader:
             return []
         entries: Any = resp or []
         return [(_text(eid), fields, 1) for _key, items in entries for eid, fields in items]
+
+    def orphans(self, held: set[str], count: int, scan: int) -> list[Entry]:
+        """Up to `count` entries pending for this worker that it does not hold: delivered by a
+        read whose reply was lost with the connection (Redis restarted or dropped us mid-read).
+        No one else would ever run them: this worker's heartbeat is alive. They keep their
+        delivery count, which is the fencing token the writes will carry."""
+        if count <= 0:
+            return []
+        try:
+            rows: list[dict[str, Any]] = self.conn.xpending_range(
+                self.jobs_key, self.keys.group, "-", "+", scan, consumername=self.me)
+            wanted = [(_text(r["message_id"]), int(r["times_delivered"])) for r in rows
+                      if _text(r["message_id"]) not in held][:count]
+            if not wanted:
+                return []
+            pipe = self.conn.pipeline(transaction=False)
+            for entry_id, _ in wanted:
+                pipe.xrange(self.jobs_key, entry_id, entry_id)
+            found = pipe.execute()
+            gone = [eid for (eid, _), got in zip(wanted, found, strict=True) if not got]
+            if gone:  # pending but deleted from the stream: nothing left to run
+                self.conn.xack(self.jobs_key, self.keys.group, *gone)
+        except RETRYABLE as exc:
+            log.warning("looking for orphaned entries failed: %s", exc)
+            return []
+        except redis.ResponseError as exc:  # NOGROUP after Redis lost its data
+            log.warning("looking for orphaned entries refused: %s", exc)
+            return []
+        if wanted:
+            log.warning("adopting %d entr%s Redis delivered to this worker in a read whose reply "
+                        "was lost", len(wanted) - len(gone), "y" if len(wanted) - len(gone) == 1
+                        else "ies")
+        return [(eid, got[0][1], n) for (eid, n), got in zip(wanted, found, strict=True) if got]
 
     def claim(self, count: int, include_self: bool) -> list[Entry]:
         """Up to `count` pending entries of workers whose heartbeat is gone (and this worker's

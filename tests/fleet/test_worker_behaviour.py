@@ -147,6 +147,26 @@ def test_a_deadline_passing_mid_generation_ends_the_job_and_frees_its_blocks(
     assert idle["num_free_blocks"] == idle["num_total_blocks"]
 
 
+def test_an_entry_delivered_by_a_read_whose_reply_was_lost_is_adopted_and_run(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    # What a Redis restart mid-read leaves: the entry sits in this worker's pending list (its
+    # heartbeat is alive, so no one reclaims it) but the worker never saw it. The XADD and the
+    # read as "solo" run in one transaction, so the worker's own blocked read cannot win it.
+    job = raw_job("orphan-1", params={"temperature": 0, "max_tokens": 5, "ignore_eos": True})
+    pipe = server.client().pipeline(transaction=True)
+    pipe.xadd(JOBS_KEY, {"v": b"1", "job": msgpack.packb(job)})
+    pipe.xreadgroup("workers", "solo", {JOBS_KEY: ">"}, count=1)
+    entry_id, read = pipe.execute()
+    assert read[0][1][0][0] == entry_id  # pending for "solo", delivered once
+    result = Client(server.url).job("orphan-1", "tiny").result(timeout=30)
+    assert result["attempt"] == 1 and len(result["outputs"][0]["token_ids"]) == 5
+    kinds = [e["type"] for e in reply_events(server, "orphan-1")]
+    assert kinds[0] == "started" and kinds[-1] == "done" and kinds.count("started") == 1
+    wait_for(lambda: finished_entry(server, entry_id.decode()), timeout=10,
+             what="the adopted entry acked")
+    assert "adopting 1 entry" in worker.output()
+
+
 def test_n2_stream_delivers_each_sequence_once_and_matches_done(
         server: RedisServer, worker: WorkerProcess) -> None:
     job = Client(server.url).submit("the quick", {"temperature": 0.8, "seed": 5, "n": 2,
