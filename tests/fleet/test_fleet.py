@@ -120,7 +120,8 @@ def test_kill_9_mid_generation_every_job_completes_once_on_the_survivor(
                              "--result-ttl", "600")
     wait_heartbeats(redis_server, [victim, survivor])
     prompts = corpus(30, seed=11)
-    params = [mixed_params(i, 100, ignore_eos=True) for i in range(30)]
+    # 300 tokens each: none of w1's jobs can finish between "20+ held" and the kill.
+    params = [mixed_params(i, 300, ignore_eos=True) for i in range(30)]
     client = Client(redis_server.url)
     jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
     seen, threads = stream_all(jobs, timeout=300)
@@ -137,7 +138,7 @@ def test_kill_9_mid_generation_every_job_completes_once_on_the_survivor(
     for job, want in zip(jobs, expected, strict=True):
         events = seen[job.id]
         positions, tokens = streamed_tokens(events)
-        assert positions == list(range(100)), job.id  # each position once, in order
+        assert positions == list(range(300)), job.id  # each position once, in order
         assert tokens == want[0][0]
         assert as_expected(events[-1]) == want
         raw = reply_events(redis_server, job.id)
@@ -198,7 +199,7 @@ def test_sigterm_hands_unfinished_jobs_back_at_once(
     first = workers.start(redis_server.url, tiny_llama, "w1", "--drain-timeout", "0")
     wait_heartbeats(redis_server, [first])
     prompts = corpus(3, seed=3)
-    params = [{"temperature": 0, "max_tokens": 200, "ignore_eos": True}] * 3
+    params = [{"temperature": 0, "max_tokens": 400, "ignore_eos": True}] * 3
     client = Client(redis_server.url)
     jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
     wait_for(lambda: all(any(e["type"] == "tokens" for e in reply_events(redis_server, j.id))
@@ -221,7 +222,7 @@ def test_a_restarted_worker_rereads_its_own_pending_jobs_first(
     first = workers.start(redis_server.url, tiny_llama, "w1", "--heartbeat-ttl", "60")
     wait_heartbeats(redis_server, [first])
     prompts = corpus(4, seed=9)
-    params = [mixed_params(i, 200, ignore_eos=True) for i in range(4)]
+    params = [mixed_params(i, 400, ignore_eos=True) for i in range(4)]
     client = Client(redis_server.url)
     jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
     wait_for(lambda: pending_of(redis_server, "w1") == 4, timeout=60, what="w1 holding 4 jobs")
@@ -241,7 +242,7 @@ def test_a_paused_worker_whose_jobs_were_reclaimed_never_writes_to_them_again(
     other = workers.start(redis_server.url, tiny_llama, "w2", "--max-num-seqs", "8")
     wait_heartbeats(redis_server, [paused, other])
     prompts = corpus(12, seed=13)
-    params = [mixed_params(i, 200, ignore_eos=True) for i in range(12)]
+    params = [mixed_params(i, 400, ignore_eos=True) for i in range(12)]
     client = Client(redis_server.url)
     jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
     wait_for(lambda: pending_of(redis_server, "w1") >= 3, timeout=60, interval=0.01,
