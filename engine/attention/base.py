@@ -19,7 +19,8 @@ the last block) are never read into the result.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -35,6 +36,31 @@ class AttentionMetadata:
     num_decode_seqs: int  # the first num_decode_seqs sequences have exactly one query each
     seq_lens_list: list[int]  # host copies, for backends that loop on the host
     query_lens_list: list[int]
+    _prefills: PrefillPlan | None = field(default=None, repr=False, compare=False)
+
+    def prefills(self) -> PrefillPlan:
+        """How this step's prefill sequences split, worked out once for all layers."""
+        if self._prefills is None:
+            starts = [0, *accumulate(self.query_lens_list)]
+            plan = PrefillPlan(starts, [], {})
+            for i in range(self.num_decode_seqs, len(self.seq_lens_list)):
+                if self.query_lens_list[i] == self.seq_lens_list[i]:
+                    plan.fresh.setdefault(self.query_lens_list[i], []).append(i)
+                else:
+                    plan.chunks.append(i)
+            plan.fresh_rows = {
+                length: torch.cat([torch.arange(starts[i], starts[i] + length) for i in seqs])
+                .to(self.slot_mapping.device) for length, seqs in plan.fresh.items()}
+            self._prefills = plan
+        return self._prefills
+
+
+@dataclass
+class PrefillPlan:
+    starts: list[int]  # query row where each sequence starts (host copy of query_start_loc)
+    chunks: list[int]  # sequences with cached context before this step's tokens
+    fresh: dict[int, list[int]]  # length -> whole prompts of that length (no cached context)
+    fresh_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # their query rows
 
 
 class AttentionBackend(ABC):

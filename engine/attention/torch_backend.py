@@ -43,20 +43,20 @@ class TorchAttentionBackend(AttentionBackend):
                 out[lo:hi] = self._decode(query[lo:hi], key_cache, value_cache,
                                           meta.block_tables[lo:hi], meta.seq_lens[lo:hi],
                                           max(meta.seq_lens_list[lo:hi]), scale)
-        starts = meta.query_start_loc.tolist() if nd < len(meta.seq_lens_list) else []
-        fresh: dict[int, list[int]] = {}  # length -> prefills with no cached context
-        for i in range(nd, len(meta.seq_lens_list)):
-            lo, hi = starts[i], starts[i + 1]
-            if key is not None and value is not None and hi - lo == meta.seq_lens_list[i]:
-                fresh.setdefault(hi - lo, []).append(i)
-                continue
+        if nd == len(meta.seq_lens_list):
+            return out
+        plan = meta.prefills()
+        batched = key is not None and value is not None
+        chunks = plan.chunks if batched else range(nd, len(meta.seq_lens_list))
+        for i in chunks:
+            lo, hi = plan.starts[i], plan.starts[i + 1]
             out[lo:hi] = self._prefill(query[lo:hi], key_cache, value_cache,
                                        meta.block_tables[i], meta.seq_lens_list[i], scale)
-        for length, seqs in fresh.items():
+        if batched:
             assert key is not None and value is not None
-            rows = torch.cat([torch.arange(starts[i], starts[i] + length) for i in seqs])
-            rows = rows.to(query.device)
-            out[rows] = self._fresh(query[rows], key[rows], value[rows], len(seqs), scale)
+            for length, rows in plan.fresh_rows.items():
+                out[rows] = self._fresh(query[rows], key[rows], value[rows],
+                                        len(plan.fresh[length]), scale)
         return out
 
     @staticmethod
