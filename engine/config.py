@@ -7,6 +7,7 @@ from dataclasses import dataclass
 _GIB = 1 << 30
 DTYPES = ("float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+OUTPUT_KINDS = ("cumulative", "delta")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class EngineConfig:
     # Every step's outputs carry the text so far (streaming). Off: text is decoded once at the
     # end (requests with stop strings still decode as they go); the offline LLM turns it off.
     stream_text: bool = True
+    # "cumulative": every output holds each sequence's tokens and text so far. "delta" (vLLM's
+    # RequestOutputKind.DELTA, engine-wide): only what is new since the request's last output;
+    # the deltas concatenate to the cumulative output (text that a stop string may still cut
+    # is held back until it cannot). Ranked requests (best_of > n, beam search) output once, whole.
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -66,6 +72,8 @@ class EngineConfig:
         if not 0.0 <= self.artificial_preemption_prob <= 1.0:
             raise ValueError("artificial_preemption_prob must be in [0, 1], "
                              f"got {self.artificial_preemption_prob}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.attention_backend not in (None, "torch", "cupy"):
             raise ValueError("attention_backend must be 'torch' or 'cupy', "
                              f"got {self.attention_backend!r}")

@@ -3,6 +3,10 @@
 A delta is released only once its bytes form whole characters: decoding a window of recent
 tokens and comparing with the window minus the new tokens avoids both quadratic re-decoding and
 broken UTF-8 (a character split across tokens decodes to U+FFFD until its last byte arrives).
+
+With a byte-level vocabulary (engine/tokenizer.py's ByteTable) the same rule runs on bytes:
+once the emitted text ends on a whole character, the window's text is the prefix's text plus the
+new tokens' bytes decoded on their own, so no decoder call is needed for ordinary tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.tokenizer import ByteTable
 
 _CONTEXT = 5  # tokens of left context so leading-space rules decode as in the full text
 
@@ -20,9 +25,21 @@ def init_offsets(seq: Sequence) -> None:
     seq.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT, 0)
 
 
-def decode_delta(tokenizer: Any, seq: Sequence, skip_special_tokens: bool) -> str:
+def decode_delta(tokenizer: Any, seq: Sequence, skip_special_tokens: bool,
+                 table: ByteTable | None = None) -> str:
     """Advance `seq`'s detokenizer over its newest tokens; returns the new text (maybe '')."""
     ids = seq.token_ids
+    # The byte path needs a prefix that ends on a whole character: true once anything was
+    # emitted (emitted text never ends in U+FFFD), not always of the prompt's tail.
+    if table is not None and seq.read_offset > seq.num_prompt_tokens:
+        data = table.join(ids, seq.read_offset)
+        if data is not None:
+            text = data.decode("utf-8", "replace")
+            if text and not text.endswith("\ufffd"):
+                seq.prefix_offset = seq.read_offset
+                seq.read_offset = len(ids)
+                return text
+            return ""
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset],
                               skip_special_tokens=skip_special_tokens)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)

@@ -25,7 +25,7 @@ from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.tokenizer import fast_decoder, fast_encoder
+from engine.tokenizer import byte_table, fast_decoder, fast_encoder
 
 
 class Engine:
@@ -46,6 +46,8 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model)
         self.decoder = fast_decoder(self.tokenizer)
         self._encode = fast_encoder(self.tokenizer)
+        self.byte_table = byte_table(self.tokenizer, self.decoder)
+        self.delta_outputs = config.output_kind == "delta"
         self.model = load_model(config.model, hf_config, config.dtype, self.device, limit)
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
@@ -107,7 +109,9 @@ class Engine:
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step. Returns an output for every request that progressed (or, with
-        `finished_only`, for those that finished: the offline LLM needs no partial outputs)."""
+        `finished_only`, for those that finished: the offline LLM needs no partial outputs).
+        With delta outputs, a request that progressed without anything new to hand out (a
+        prefill chunk, text held back) has no output this step."""
         sched = self.scheduler.schedule()
         self._move_blocks(sched)
         batch = self.runner.order(sched.scheduled)
@@ -118,7 +122,9 @@ class Engine:
             self.counters["num_steps"] += 1
         for group in {id(item.group): item.group for item in batch}.values():
             if not finished_only or group.status is SequenceStatus.FINISHED:
-                outputs[group.request_id] = self._output(group)
+                out = self._output(group)
+                if out.outputs or out.finished or not self.delta_outputs:
+                    outputs[group.request_id] = out
         for group in sched.finished + self._rejected:
             self._finish_group(group)
             outputs[group.request_id] = self._output(group)
@@ -154,42 +160,53 @@ class Engine:
         row_index: list[int] = []
         owners: list[tuple[SequenceGroup, Sequence, int]] = []  # (group, parent seq, fork index)
         beams: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
+        eos = self.eos_token_ids
+        fanned = False
         for r, item in enumerate(sampled):
-            group, seq, params = item.group, item.seq, item.group.params
+            group, seq = item.group, item.seq
+            params = group.params
             if params.use_beam_search:
                 beams.setdefault(id(group), (group, []))[1].append((seq, r))
                 continue
-            fan_out = range(group.width) if not group.forked else (seq.index,)
             num_out = len(seq.token_ids) - seq.num_prompt_tokens
             banned = None
             if num_out < params.min_tokens:
-                banned = params.stop_token_ids + (
-                    [] if params.ignore_eos else sorted(self.eos_token_ids))
-            for index in fan_out:
+                banned = params.stop_token_ids + ([] if params.ignore_eos else sorted(eos))
+            if params.best_of == 1 or group.forked:
+                rows.append(SampleRow(params, group.seed, seq.index, num_out, seq.token_ids,
+                                      seq.num_prompt_tokens, banned))
+                owners.append((group, seq, seq.index))
+                row_index.append(r)
+                continue
+            fanned = True
+            for index in range(group.width):  # the first sample of a best_of group fans out
                 rows.append(SampleRow(params, group.seed, index, num_out, seq.token_ids,
                                       seq.num_prompt_tokens, banned))
                 owners.append((group, seq, index))
                 row_index.append(r)
         if rows:
-            if row_index == list(range(logits.shape[0])):
-                logits_rows = logits  # the common case: one sample row per logits row
+            if not fanned and not beams:
+                logits_rows = logits  # the common case: one sample row per logits row, in order
             else:  # fan-out rows repeat their parent's row, beam rows go elsewhere
                 logits_rows = logits[torch.tensor(row_index, device=logits.device)]
             result = self.sampler(logits_rows, rows)
             targets = [seq for _, seq, _ in owners]
-            for r, (group, seq, index) in enumerate(owners):
-                if index != seq.index:  # the first sample of a best_of group forks its sequence
-                    child = seq.fork(next(self._seq_ids), index)  # before any append to seq
-                    self.block_manager.fork(seq, child)
-                    group.seqs.append(child)
-                    targets[r] = child
+            if fanned:
+                for r, (group, seq, index) in enumerate(owners):
+                    if index != seq.index:  # the first sample of a best_of group forks its seq
+                        child = seq.fork(next(self._seq_ids), index)  # before any append to seq
+                        self.block_manager.fork(seq, child)
+                        group.seqs.append(child)
+                        targets[r] = child
+            append = self._append
             for (group, _, _), seq, token, lp, top in zip(owners, targets, result.token_ids,
                                                           result.logprobs, result.top_logprobs):
-                self._append(group, seq, token, lp, top)
+                append(group, seq, token, lp, top)
         for group, members in beams.values():
             self.counters["num_generated_tokens"] += beam_search.advance(
                 group, members, logits[:, : self.vocab_size], self.block_manager, self.decoder,
                 self.eos_token_ids, self.max_model_len, lambda: next(self._seq_ids))
+        self.counters["num_generated_tokens"] += len(rows)
         now = time.monotonic()
         for group in {id(item.group): item.group for item in sampled}.values():
             if group.first_token_time is None:
@@ -213,7 +230,6 @@ class Engine:
             seq.cumulative_logprob += logprob
         if top is not None:
             seq.output_logprobs.append(top)
-        self.counters["num_generated_tokens"] += 1
         can_stop = num_out >= params.min_tokens
         if can_stop and params.stop_token_ids and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
@@ -222,25 +238,28 @@ class Engine:
         else:
             stop = None
             if self.config.stream_text or params.stop:
-                delta = decode_delta(self.decoder, seq, params.skip_special_tokens)
-                seq.output_text += delta
-                stop = find_stop(seq, delta, params) if can_stop else None
+                delta = decode_delta(self.decoder, seq, params.skip_special_tokens,
+                                     self.byte_table)
+                if delta:
+                    seq.output_text += delta
+                    if params.stop and can_stop:
+                        stop = find_stop(seq, delta, params)
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
             elif params.max_tokens is not None and num_out >= params.max_tokens:
                 seq.finish_reason = "length"
             elif len(ids) >= self.max_model_len:
                 seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            self.block_manager.free(seq)
-            if not (self.config.stream_text or params.stop):  # text once, at the end
-                num = seq.num_output_tokens - (seq.finish_reason == "stop")
-                seq.output_text = decode_output(self.decoder, seq, num,
-                                                params.skip_special_tokens)
-            elif seq.stop_reason is None and seq.read_offset < seq.num_tokens:
-                # Flush bytes held back for a character that will now never complete.
-                seq.output_text = decode_output(self.decoder, seq, seq.num_output_tokens,
-                                                params.skip_special_tokens)
+            else:
+                return
+        self.block_manager.free(seq)
+        if not (self.config.stream_text or params.stop):  # text once, at the end
+            num = seq.num_output_tokens - (seq.finish_reason == "stop")
+            seq.output_text = decode_output(self.decoder, seq, num, params.skip_special_tokens)
+        elif seq.stop_reason is None and seq.read_offset < seq.num_tokens:
+            # Flush bytes held back for a character that will now never complete.
+            seq.output_text = decode_output(self.decoder, seq, seq.num_output_tokens,
+                                            params.skip_special_tokens)
 
     def _finish_group(self, group: SequenceGroup) -> None:
         group.status = SequenceStatus.FINISHED
@@ -258,12 +277,15 @@ class Engine:
             seqs = beam_search.best(seqs, params, params.n)
         elif ranked:
             seqs = sorted(seqs, key=lambda s: -s.ranking_logprob)[: params.n]
-        outputs = [CompletionOutput(i if ranked else s.index,
-                                    s.output_token_ids, s.output_text, s.finish_reason,
-                                    s.cumulative_logprob,
-                                    list(s.output_logprobs) if params.logprobs is not None
-                                    else None, s.stop_reason)
-                   for i, s in enumerate(seqs)]
+        if self.delta_outputs and not ranked:
+            outputs = [out for s in seqs if (out := _delta(s, params, finished)) is not None]
+        else:
+            outputs = [CompletionOutput(i if ranked else s.index,
+                                        s.output_token_ids, s.output_text, s.finish_reason,
+                                        s.cumulative_logprob,
+                                        list(s.output_logprobs) if params.logprobs is not None
+                                        else None, s.stop_reason)
+                       for i, s in enumerate(seqs)]
         metrics = {"arrival_time": group.arrival_time,
                    "num_preemptions": float(group.num_preemptions)}
         if group.first_token_time is not None:
@@ -295,6 +317,27 @@ class Engine:
             seq.finish_reason = "error"
         group.error = message
         self._rejected.append(group)
+
+
+def _delta(seq: Sequence, params: SamplingParams, request_done: bool) -> CompletionOutput | None:
+    """What `seq` has not handed out yet (None when nothing, unless the request ends: its last
+    output names every sequence). Text a stop string could still cut stays back until then."""
+    start = seq.num_prompt_tokens + seq.num_emitted_tokens
+    ids = seq.token_ids
+    text = seq.output_text
+    end = len(text)
+    if params.stop and seq.finish_reason is None:
+        end -= max(len(stop) for stop in params.stop) - 1
+    if start == len(ids) and end <= seq.num_emitted_chars and not request_done:
+        return None
+    new_text = text[seq.num_emitted_chars:end] if end > seq.num_emitted_chars else ""
+    seq.num_emitted_tokens = len(ids) - seq.num_prompt_tokens
+    seq.num_emitted_chars += len(new_text)
+    logprobs = None
+    if params.logprobs is not None:
+        logprobs = seq.output_logprobs[start - seq.num_prompt_tokens:]
+    return CompletionOutput(seq.index, ids[start:], new_text, seq.finish_reason,
+                            seq.cumulative_logprob, logprobs, seq.stop_reason)
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

@@ -51,7 +51,7 @@ class Sampler:
                 logits[i, row.banned_token_ids] = float("-inf")
         if any(_has_penalty(r.params) for r in rows):
             logits = _apply_penalties(logits, rows)
-        chosen = logits.argmax(dim=-1)
+        chosen = _argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
@@ -93,6 +93,14 @@ class Sampler:
         h = _fmix32(self._vocab_hash[None, :] ^ keys[:, None])
         u = (h.double() + 0.5) / 4294967296.0
         return (-torch.log(-torch.log(u))).float()
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum; NaN counts as the maximum). On the CPU numpy's
+    vectorised argmax is about 10x torch's for float32 rows of a vocabulary."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=1))
+    return logits.argmax(dim=-1)
 
 
 def _wants_logprobs(p: SamplingParams) -> bool:

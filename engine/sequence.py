@@ -31,6 +31,9 @@ class Sequence:
     output_text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    # What delta outputs have handed out so far (EngineConfig.output_kind == "delta").
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +62,9 @@ class Sequence:
                         num_computed_tokens=self.num_computed_tokens,
                         cumulative_logprob=self.cumulative_logprob,
                         output_logprobs=list(self.output_logprobs), output_text=self.output_text,
-                        prefix_offset=self.prefix_offset, read_offset=self.read_offset)
+                        prefix_offset=self.prefix_offset, read_offset=self.read_offset,
+                        num_emitted_tokens=self.num_emitted_tokens,
+                        num_emitted_chars=self.num_emitted_chars)
 
     def reset_for_recompute(self) -> None:
         """Drop the cached state: the whole sequence (prompt + outputs) is prefilled again."""
@@ -81,11 +86,15 @@ class SequenceGroup:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    _prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        seq = self.seqs[0]
-        return seq.token_ids[:seq.num_prompt_tokens]
+        """The prompt (one list per request, shared by its outputs: do not modify it)."""
+        if self._prompt_token_ids is None:
+            seq = self.seqs[0]
+            self._prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
+        return self._prompt_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

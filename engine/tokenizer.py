@@ -69,3 +69,76 @@ def fast_encoder(tokenizer: Any) -> _BackendEncoder | _TokenizerEncoder:
             or bool(backend.encode_special_tokens) != bool(tokenizer.split_special_tokens)):
         return slow
     return _BackendEncoder(backend)
+
+
+class ByteTable:
+    """The bytes of every ordinary token of a byte-level BPE vocabulary (GPT-2, Llama 3, Qwen2):
+    the decoder maps each token's characters back to bytes and decodes the concatenation as
+    UTF-8, replacing invalid bytes, so the text of ordinary tokens is a table lookup and one
+    `bytes.decode`. Added tokens (specials included) are None: callers take the tokenizer's path
+    for them."""
+
+    def __init__(self, token_bytes: list[bytes | None]) -> None:
+        self.token_bytes = token_bytes
+
+    def join(self, token_ids: list[int], start: int) -> bytes | None:
+        """The bytes of token_ids[start:], or None if an added or unknown token is among them."""
+        table = self.token_bytes
+        try:
+            if len(token_ids) - start == 1:
+                return table[token_ids[start]]
+            return b"".join(table[t] for t in token_ids[start:])  # type: ignore[misc]
+        except (IndexError, TypeError):  # an id past the table, or None for an added token
+            return None
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        data = self.join(token_ids, 0)
+        return None if data is None else data.decode("utf-8", "replace")
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes stand for themselves, the others
+    for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            mapping[chr(256 + extra)] = b
+            extra += 1
+    return mapping
+
+
+def byte_table(tokenizer: Any, decoder: Any, num_checks: int = 300) -> ByteTable | None:
+    """A ByteTable when `decoder` is the backend of a byte-level BPE tokenizer and the table
+    gives exactly what the backend decodes (checked on random token sequences); None otherwise."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(decoder, _BackendDecoder) or backend is None \
+            or type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+        return None
+    import random
+
+    char_bytes = _unicode_to_byte()
+    added = set(backend.get_added_tokens_decoder())
+    size = backend.get_vocab_size(with_added_tokens=True)
+    table: list[bytes | None] = []
+    for token_id in range(size):
+        piece = backend.id_to_token(token_id)
+        if token_id in added or piece is None:
+            table.append(None)
+        elif all(c in char_bytes for c in piece):
+            table.append(bytes(char_bytes[c] for c in piece))
+        else:
+            table.append(piece.encode())
+    ordinary = [i for i, b in enumerate(table) if b is not None]
+    if not ordinary:
+        return None
+    result = ByteTable(table)
+    rng = random.Random(0)
+    for _ in range(num_checks):
+        ids = [rng.choice(ordinary) for _ in range(rng.randint(1, 6))]
+        for skip in (True, False):
+            if result.decode(ids) != decoder.decode(ids, skip_special_tokens=skip):
+                return None
+    return result

@@ -1,5 +1,6 @@
 """ActiveJob: one attempt of one job inside this worker, and the reply events built from the
-engine's outputs (the engine hands back FULL token lists; we send only what was not sent yet)."""
+engine's delta outputs (EngineConfig.output_kind == "delta": each output holds only what is
+new; the job keeps the whole of it for the done event)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ class ActiveJob:
     stream_tokens: bool
     admitted_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
-    sent_tokens: dict[int, int] = field(default_factory=dict)
-    sent_text: dict[int, str] = field(default_factory=dict)
+    # What each sequence produced so far, from the engine's delta outputs.
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    top_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     token_texts: TokenTexts | None = None  # set when the job asked for logprobs
     logprob_rows: dict[tuple[int, int], list[list[Any]]] = field(default_factory=dict)
 
@@ -32,25 +35,39 @@ class ActiveJob:
     def job_id(self) -> str:
         return self.spec.id
 
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids.values())
 
-def token_events(job: ActiveJob, output: RequestOutput) -> list[dict[str, Any]]:
-    """Tokens events for what each sequence produced since the last call (and bookkeeping)."""
+
+def token_events(job: ActiveJob, output: RequestOutput) -> tuple[list[dict[str, Any]], int]:
+    """Take in one delta output: the tokens events for it (none when the job does not stream)
+    and how many tokens it brought."""
     events: list[dict[str, Any]] = []
+    new_tokens = 0
     for comp in output.outputs:
-        sent = job.sent_tokens.get(comp.index, 0)
-        if len(comp.token_ids) <= sent:
-            continue
-        if job.first_token_at is None:
-            job.first_token_at = time.time()
-        text_sent = job.sent_text.get(comp.index, "")
-        delta = comp.text[len(text_sent):] if comp.text.startswith(text_sent) else ""
-        job.sent_tokens[comp.index] = len(comp.token_ids)
-        job.sent_text[comp.index] = comp.text if comp.text.startswith(text_sent) else text_sent
+        index = comp.index
+        ids = job.token_ids.get(index)
+        if ids is None:
+            ids = job.token_ids[index] = []
+            job.texts[index] = []
+        pos = len(ids)
+        ids += comp.token_ids
+        if comp.text:
+            job.texts[index].append(comp.text)
+        if comp.logprobs:
+            job.top_logprobs.setdefault(index, []).extend(comp.logprobs)
+        if not comp.token_ids:
+            continue  # text without a token (held back until the end) goes in the done event
+        new_tokens += len(comp.token_ids)
         if job.stream_tokens:
-            events.append(tokens_event(
-                job.attempt, comp.index, sent, list(comp.token_ids[sent:]), delta,
-                _logprobs(job, output.prompt_token_ids, comp, sent)))
-    return events
+            logprobs = None if comp.logprobs is None else \
+                _logprobs(job, output.prompt_token_ids, index, pos)
+            events.append(tokens_event(job.attempt, index, pos, comp.token_ids, comp.text,
+                                       logprobs))
+    if new_tokens and job.first_token_at is None:
+        job.first_token_at = time.time()
+    return events, new_tokens
 
 
 def terminal_event(job: ActiveJob, output: RequestOutput) -> bytes:
@@ -61,7 +78,7 @@ def terminal_event(job: ActiveJob, output: RequestOutput) -> bytes:
     outputs = [_output_map(job, output.prompt_token_ids, c)
                for c in sorted(output.outputs, key=lambda c: c.index)]
     usage = {"prompt_tokens": len(output.prompt_token_ids),
-             "completion_tokens": sum(len(c.token_ids) for c in output.outputs)}
+             "completion_tokens": sum(len(o["token_ids"]) for o in outputs)}
     first = job.first_token_at or now
     timing = {"queued_s": max(0.0, job.admitted_at - job.spec.created),
               "ttft_s": first - job.admitted_at, "generate_s": now - job.admitted_at}
@@ -69,34 +86,38 @@ def terminal_event(job: ActiveJob, output: RequestOutput) -> bytes:
 
 
 def _output_map(job: ActiveJob, prompt_ids: list[int], comp: CompletionOutput) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": comp.index, "token_ids": list(comp.token_ids),
-                           "text": comp.text, "finish_reason": comp.finish_reason,
+    """One sequence's whole output. A ranked request (best_of > n, beam search) outputs only at
+    the end, whole, under indices of its own: its final output is all there is."""
+    index = comp.index
+    out: dict[str, Any] = {"index": index, "token_ids": job.token_ids.get(index, []),
+                           "text": "".join(job.texts.get(index, [])),
+                           "finish_reason": comp.finish_reason,
                            "cumulative_logprob": None if comp.cumulative_logprob is None
                            else float(comp.cumulative_logprob),
                            "stop_reason": comp.stop_reason}
     if comp.logprobs is not None:
-        out["logprobs"] = _logprobs(job, prompt_ids, comp, 0)
+        out["logprobs"] = _logprobs(job, prompt_ids, index, 0)
     return out
 
 
-def _logprobs(job: ActiveJob, prompt_ids: list[int], comp: CompletionOutput,
-              start: int) -> list[list[list[Any]]] | None:
+def _logprobs(job: ActiveJob, prompt_ids: list[int], index: int,
+              start: int) -> list[list[list[Any]]]:
     """Per position from `start`: [[token_id, logprob, text], ...], the sampled token first
     (then the top-k), each token's text as it reads right after the tokens before it."""
-    if comp.logprobs is None:
-        return None
+    tops = job.top_logprobs.get(index, [])
+    token_ids = job.token_ids.get(index, [])
     positions = []
-    for pos in range(start, len(comp.logprobs)):
-        top = comp.logprobs[pos]
+    for pos in range(start, len(tops)):
+        top = tops[pos]
         if job.token_texts is None:
             positions.append([[int(t), float(lp)] for t, lp in top.items()])
             continue
-        row = job.logprob_rows.get((comp.index, pos))  # streamed already: reuse its texts
+        row = job.logprob_rows.get((index, pos))  # streamed already: reuse its texts
         if row is None:
-            context = _tail(prompt_ids, comp.token_ids, pos, job.token_texts.context_size)
+            context = _tail(prompt_ids, token_ids, pos, job.token_texts.context_size)
             texts = job.token_texts.texts(context, top)
             row = [[int(t), float(lp), texts[int(t)]] for t, lp in top.items()]
-            job.logprob_rows[(comp.index, pos)] = row
+            job.logprob_rows[(index, pos)] = row
         positions.append(row)
     return positions
 

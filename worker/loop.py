@@ -41,6 +41,9 @@ _MAX_EARLY_CANCELS = 10_000
 class Worker:
     def __init__(self, engine: Any, cfg: WorkerConfig,
                  metrics_server: MetricsServer | None = None) -> None:
+        if not getattr(engine, "delta_outputs", False):
+            raise ValueError("the worker streams the engine's delta outputs: build the engine "
+                             "with EngineConfig(output_kind='delta')")
         self.engine = engine
         self.cfg = cfg
         self.keys = Keys(cfg.prefix)
@@ -231,33 +234,36 @@ class Worker:
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         batch = Batch()
+        events_out = batch.events
         now = time.monotonic()
         m = self.metrics
         step_tokens = 0
+        last_at = self._last_tokens_at
+        intervals: dict[float, int] = {}  # time of a job's previous tokens -> jobs (ITL)
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue
-            sent_before = sum(job.sent_tokens.values())
             had_first = job.first_token_at is not None
-            events = token_events(job, out)
-            new_tokens = sum(job.sent_tokens.values()) - sent_before
-            if new_tokens > 0:
+            events, new_tokens = token_events(job, out)
+            if new_tokens:
                 step_tokens += new_tokens
-                if not had_first and job.first_token_at is not None:
-                    m.ttft.observe(job.first_token_at - job.admitted_at)
-                elif job.entry_id in self._last_tokens_at:
-                    m.itl.observe(now - self._last_tokens_at[job.entry_id])
-                self._last_tokens_at[job.entry_id] = now
+                previous = last_at.get(job.entry_id)
+                if not had_first:
+                    m.ttft.observe(time.time() - job.admitted_at)
+                elif previous is not None:
+                    intervals[previous] = intervals.get(previous, 0) + 1
+                last_at[job.entry_id] = now
             if events:
-                batch.events.append(EventWrite(job.entry_id, job.deliveries, job.reply_key,
-                                               events))
+                events_out.append(EventWrite(job.entry_id, job.deliveries, job.reply_key, events))
             if out.finished:
                 self.counters["completed"] += 1
                 failed = out.error is not None or any(c.finish_reason == "error"
                                                      for c in out.outputs)
                 m.jobs_finished.inc(outcome="engine_error" if failed else "done")
                 self._finish(job, terminal_event(job, out), batch)
+        for previous, count in intervals.items():  # most jobs share the previous step's time
+            m.itl.observe_many(now - previous, count)
         if step_tokens:
             m.tokens.inc(step_tokens)
         self.writer.submit(batch)

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         num_gpu_blocks_override=args.num_gpu_blocks_override, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, seed=args.seed,
-        num_threads=args.num_threads))
+        num_threads=args.num_threads, output_kind="delta"))
     worker = Worker(engine, cfg, metrics_server=metrics_server)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

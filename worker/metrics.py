@@ -133,12 +133,16 @@ class Histogram(_Metric):
             self._data[()] = ([0] * (len(self.buckets) + 1), [0.0])
 
     def observe(self, value: float, **labels: str) -> None:
+        self.observe_many(value, 1, **labels)
+
+    def observe_many(self, value: float, times: int, **labels: str) -> None:
+        """`times` observations of the same value (jobs that got tokens in the same step)."""
         key = self._key(labels)
         i = bisect.bisect_left(self.buckets, value)  # the first bucket with value <= le
         with self._lock:
             counts, total = self._data.setdefault(key, ([0] * (len(self.buckets) + 1), [0.0]))
-            counts[i] += 1
-            total[0] += value
+            counts[i] += times
+            total[0] += value * times
 
     def count(self, **labels: str) -> int:
         with self._lock:

@@ -164,3 +164,20 @@ def test_invalid_sampling_params_name_the_field(field, value, message):
 def test_unknown_sampling_param_is_named():
     with pytest.raises(ValueError, match="unknown sampling parameter.*temprature"):
         SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_argmax_takes_the_first_maximum_and_nan_like_torch():
+    import torch
+
+    from engine.sampler import _argmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=g)
+    logits[3, [5, 17, 200]] = 50.0  # ties: the first one wins
+    logits[4, 9] = float("nan")
+    logits[5] = float("-inf")
+    logits[6, 299] = float("inf")
+    view = logits[:, :257]  # a strided view, as the sampler cuts the vocabulary padding
+    for x in (logits, view):
+        assert torch.equal(_argmax(x), x.argmax(dim=-1))
+    assert _argmax(logits)[3:7].tolist() == [5, 9, 0, 299]

@@ -94,3 +94,67 @@ def test_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tiny_llama):
     assert fast_decoder(tok) is tok
 
 
+
+
+@pytest.mark.parametrize("model", ["tiny", "demo"])
+def test_byte_table_decodes_exactly_as_the_backend(tiny_llama, model):
+    from engine.tokenizer import byte_table
+
+    tok = _tokenizer(tiny_llama if model == "tiny" else DEMO)
+    decoder = fast_decoder(tok)
+    table = byte_table(tok, decoder)
+    assert table is not None
+    added = set(tok._tokenizer.get_added_tokens_decoder())
+    ordinary = [i for i in range(len(tok)) if i not in added]
+    # Single-byte tokens above 0x7f: pieces of characters, alone or in the wrong order.
+    partial = [i for i in ordinary if len(table.token_bytes[i]) == 1
+               and table.token_bytes[i][0] >= 0x80]
+    assert partial
+    rng = random.Random(4)
+    cases = [[rng.choice(ordinary) for _ in range(rng.randint(1, 12))] for _ in range(400)]
+    cases += [[rng.choice(partial) for _ in range(rng.randint(1, 5))] for _ in range(200)]
+    cases += [[t for t in tok(text).input_ids if t not in added] for text in TEXTS if text]
+    for ids in cases:
+        assert table.decode(ids) == decoder.decode(ids, skip_special_tokens=True), ids
+    assert all(table.token_bytes[i] is None for i in added)
+    assert table.join([ordinary[0], min(added)], 0) is None  # an added token: not ours to decode
+    assert table.join([len(table.token_bytes) + 5], 0) is None
+
+
+def test_no_byte_table_for_a_vocabulary_that_is_not_byte_level(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.tokenizer import byte_table
+
+    vocab = {"<unk>": 0, "▁the": 1, "▁fox": 2, "the": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert byte_table(tok, fast_decoder(tok)) is None
+    assert byte_table(tok, tok) is None  # not the backend's decoder either
+
+
+def test_streamed_deltas_are_the_same_with_and_without_the_byte_table(tiny_llama):
+    from engine.detokenizer import decode_delta, init_offsets
+    from engine.sequence import Sequence
+    from engine.tokenizer import byte_table
+
+    tok = _tokenizer(tiny_llama)
+    decoder = fast_decoder(tok)
+    table = byte_table(tok, decoder)
+    rng = random.Random(9)
+    for text in TEXTS[1:] + ["".join(rng.choice("日本語🙂 aé→") for _ in range(40))]:
+        ids = tok(text).input_ids
+        runs = []
+        for use in (None, table):
+            prompt = tok("the fox").input_ids
+            seq = Sequence(0, 0, list(prompt), len(prompt))
+            init_offsets(seq)
+            deltas = []
+            for token in ids + [1, *ids[:3]]:  # "</s>" (an added token) in the middle
+                seq.token_ids.append(token)
+                deltas.append(decode_delta(decoder, seq, True, use))
+            runs.append((deltas, seq.prefix_offset, seq.read_offset))
+        assert runs[0] == runs[1], text

@@ -216,3 +216,20 @@ def test_a_taken_metrics_port_stops_the_worker_with_one_line_before_it_loads_the
         f"genq worker: --metrics-port {port} is already in use on 127.0.0.1: pick a free port, "
         "stop the process that holds it, or pass --metrics-port 0 to serve no metrics\n")
     assert redis_server.client().keys("genq:*") == []  # it never reached Redis either
+
+
+def test_observe_many_counts_as_that_many_observations() -> None:
+    one, many = Registry(), Registry()
+    h1 = one.histogram("itl_seconds", "interval", [0.01, 0.1])
+    h2 = many.histogram("itl_seconds", "interval", [0.01, 0.1])
+    for value, times in ((0.005, 3), (0.05, 256), (0.5, 1)):
+        for _ in range(times):
+            h1.observe(value)
+        h2.observe_many(value, times)
+    def lines(reg: Registry) -> list[str]:
+        return [line for line in reg.render().splitlines() if "_sum" not in line]
+
+    assert lines(many) == lines(one)  # buckets and count exactly; the sum up to rounding
+    assert Scrape(many.render()).samples[("itl_seconds_sum", ())] == pytest.approx(
+        3 * 0.005 + 256 * 0.05 + 0.5)
+    assert h2.count() == 260

@@ -92,8 +92,9 @@ def terminal(server: RedisServer, job_id: str) -> dict[str, Any] | None:
 def test_capacity_4_never_holds_more_than_4_pending_entries(server: RedisServer,
                                                             worker: WorkerProcess) -> None:
     client = Client(server.url)
-    jobs = [client.submit(f"prompt {i}", {"temperature": 0, "max_tokens": 30, "ignore_eos": True},
-                          model="tiny") for i in range(20)]
+    # Long enough that a poll every few ms sees the worker at its cap however fast it runs.
+    jobs = [client.submit(f"prompt {i}", {"temperature": 0, "max_tokens": 400, "ignore_eos": True},
+                          model="tiny") for i in range(12)]
     conn = server.client()
     most = 0
     while any(terminal(server, job.id) is None for job in jobs):
