@@ -2,8 +2,9 @@
 
 Every stream entry id starts with the Redis server's clock in ms, so submit -> started and
 submit -> done are read from the job entry's id and the reply entries' ids: no client polling
-bias. Throughput is jobs / (last done - first submit); token events/s is the number of tokens
-events / (first started -> last done).
+bias. Throughput is jobs / (last done - first submit); over first started -> last done, tokens/s
+counts the tokens streamed and token events/s the tokens entries in the reply streams (a worker
+that falls behind Redis sends several steps' tokens of a sequence in one entry).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def run_bench(client: Client, model: str, num_jobs: int, params: dict[str, Any],
             failed += 1
     to_started, to_done, submits, starts, dones = [], [], [], [], []
     num_token_events = 0
+    num_tokens = 0
     pipe = client.redis.pipeline(transaction=False)
     for job in jobs:
         pipe.xrange(job.reply_key)
@@ -68,6 +70,7 @@ def run_bench(client: Client, model: str, num_jobs: int, params: dict[str, Any],
                 to_started.append(_ms(entry_id) - submitted)
             elif event["type"] == "tokens":
                 num_token_events += 1
+                num_tokens += len(event["token_ids"])
             else:
                 dones.append(_ms(entry_id))
                 to_done.append(_ms(entry_id) - submitted)
@@ -78,7 +81,8 @@ def run_bench(client: Client, model: str, num_jobs: int, params: dict[str, Any],
             "submit_to_started_ms": _percentiles(to_started),
             "submit_to_done_ms": _percentiles(to_done),
             "token_events": num_token_events,
-            "token_events_per_s": num_token_events / (gen_ms / 1000)}
+            "token_events_per_s": num_token_events / (gen_ms / 1000),
+            "tokens": num_tokens, "tokens_per_s": num_tokens / (gen_ms / 1000)}
 
 
 def print_figures(f: dict[str, Any]) -> None:
@@ -87,7 +91,8 @@ def print_figures(f: dict[str, Any]) -> None:
     for name in ("submit_to_started_ms", "submit_to_done_ms"):
         p = f[name]
         print(f"{name:<22} p50 {p['p50']:.0f}  p99 {p['p99']:.0f}  max {p['max']:.0f}")
-    print(f"token events {f['token_events']}: {f['token_events_per_s']:.0f}/s")
+    print(f"tokens streamed {f['tokens']}: {f['tokens_per_s']:.0f}/s in {f['token_events']} "
+          f"tokens events ({f['token_events_per_s']:.0f}/s)")
 
 
 def _ms(entry_id: bytes | str) -> int:

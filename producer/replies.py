@@ -45,6 +45,17 @@ class ReplyDeduper:
 
     def _tokens(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         index, pos = event["index"], event["pos"]
+        state = self._current.get(index)
+        if state is not None and state is self._delivered.get(index) and pos == len(state[0]) \
+                and event["token_ids"]:
+            # The common case, in O(new tokens): the next chunk of what was delivered so far.
+            state[0].extend(event["token_ids"])
+            self._current[index] = self._delivered[index] = (state[0], state[1] + event["text"])
+            chunk = self._chunk(event, index, pos, event["token_ids"], event["text"])
+            if "logprobs" in event:
+                chunk["logprobs"] = event["logprobs"][len(event["logprobs"])
+                                                      - len(chunk["token_ids"]):]
+            return [chunk]
         cur_ids, cur_text = self._current.get(index, ([], ""))
         done_ids, done_text = self._delivered.get(index, ([], ""))
         if pos < len(cur_ids):
@@ -70,7 +81,7 @@ class ReplyDeduper:
         chunk = self._chunk(event, index, len(done_ids), cur_ids[len(done_ids):], new_text)
         if "logprobs" in event:
             chunk["logprobs"] = event["logprobs"][len(event["logprobs"]) - len(chunk["token_ids"]):]
-        self._delivered[index] = (cur_ids, cur_text)
+        self._delivered[index] = self._current[index]  # the same state: in step again
         return [chunk]
 
     def _diverged_outputs(self, outputs: list[dict[str, Any]]) -> bool:

@@ -9,6 +9,7 @@ scripts make a retried write either a duplicate the client drops by (index, pos)
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -74,6 +75,7 @@ class Writer(threading.Thread):
         self.num_events_written = 0  # after coalescing
         self.num_token_events_in = 0  # as the loop produced them
         self._queue: queue.Queue[Batch | None] = queue.Queue()
+        self._ttl_set_at: dict[str, float] = {}  # reply key -> when this writer last set its TTL
         self.error: BaseException | None = None
 
     def submit(self, batch: Batch) -> None:
@@ -150,13 +152,21 @@ class Writer(threading.Thread):
         pipe = self.conn.pipeline(transaction=False)
         calls: list[str] = []
         events = coalesce(batch.events)
+        now = time.monotonic()
+        refreshed: list[str] = []  # reply keys whose TTL this write sets
+        stale = now - self.reply_ttl / 4
+        ttl_at = self._ttl_set_at
         for chunk in _chunks(events, self.max_events_per_call):
-            keys = [self.jobs_key] + [w.reply_key for w in chunk]
+            keys = [self.jobs_key]
             index: list[Any] = []
             blobs: list[bytes] = []
             for w in chunk:
                 encoded = [encode_event(e) for e in w.events]
-                index.append([w.entry_id, w.deliveries, [len(b) for b in encoded]])
+                refresh = ttl_at.get(w.reply_key, -math.inf) < stale
+                if refresh:
+                    refreshed.append(w.reply_key)
+                keys.append(w.reply_key)
+                index.append([w.entry_id, w.deliveries, [len(b) for b in encoded], refresh])
                 blobs += encoded
             args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs)]
             self.scripts.write_events(keys=keys, args=args, client=pipe)
@@ -170,13 +180,21 @@ class Writer(threading.Thread):
                                                  self.dead_ttl), client=pipe)
             calls.append("finish")
         results = pipe.execute()
+        for key in refreshed:  # only now: a retried write must set them again
+            ttl_at[key] = now
         for kind, result in zip(calls, results, strict=True):
-            if kind == "events":
-                for entry_id in result:
-                    self.lost.put(entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
+            if kind == "events" and result:  # rare: entries reclaimed from us
+                lost = {e.decode() if isinstance(e, bytes) else e for e in result}
+                for w in events:
+                    if w.entry_id in lost:
+                        ttl_at.pop(w.reply_key, None)
+                for entry_id in lost:
+                    self.lost.put(entry_id)
         self.num_events_written += sum(len(w.events) for w in events)
         self.num_token_events_in += sum(len(w.events) for w in batch.events)
         for fin in batch.finishes:
+            if fin.reply_key is not None:
+                ttl_at.pop(fin.reply_key, None)
             self.finished.put(fin.entry_id)
 
 
@@ -193,39 +211,36 @@ def finish_args(finishes: list[FinishWrite], group: str, me: str, reply_ttl: int
 def coalesce(writes: list[EventWrite]) -> list[EventWrite]:
     """One write per attempt, and one tokens event per sequence index in it: when the writer
     fell behind, the steps it merges cost one XADD per sequence instead of one per step. Order
-    within an attempt is kept; chunks stay contiguous (pos + len == next pos)."""
+    within an attempt is kept (a tokens event never moves past another kind of event); chunks
+    stay contiguous (pos + len == next pos)."""
     if len({(w.entry_id, w.deliveries) for w in writes}) == len(writes):
         return writes  # one step's worth: already one event per sequence
     merged: dict[tuple[str, int], EventWrite] = {}
+    open_chunks: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}  # per attempt, per index
     for w in writes:
         key = (w.entry_id, w.deliveries)
         if key not in merged:
             merged[key] = EventWrite(w.entry_id, w.deliveries, w.reply_key, [])
-        out = merged[key].events
+            open_chunks[key] = {}
+        out, chunks = merged[key].events, open_chunks[key]
         for event in w.events:
-            last = _last_tokens(out, event)
-            if last is None:
-                out.append(dict(event))
+            if event["type"] != "tokens":
+                chunks.clear()  # later tokens must not jump ahead of this event
+                out.append(event)
                 continue
-            last["token_ids"] = last["token_ids"] + event["token_ids"]
-            last["text"] += event["text"]
-            if "logprobs" in last or "logprobs" in event:
-                last["logprobs"] = last.get("logprobs", []) + event.get("logprobs", [])
+            last = chunks.get(event["index"])
+            if last is not None and last["attempt"] == event["attempt"] \
+                    and last["pos"] + len(last["token_ids"]) == event["pos"]:
+                last["token_ids"] += event["token_ids"]  # our own copy (below)
+                last["text"] += event["text"]
+                if "logprobs" in last or "logprobs" in event:
+                    last["logprobs"] = last.get("logprobs", []) + event.get("logprobs", [])
+                continue
+            chunk = dict(event)  # the inputs are left as they were
+            chunk["token_ids"] = list(event["token_ids"])
+            chunks[event["index"]] = chunk
+            out.append(chunk)
     return list(merged.values())
-
-
-def _last_tokens(out: list[dict[str, Any]], event: dict[str, Any]) -> dict[str, Any] | None:
-    """The tokens event in `out` that `event` continues, if any."""
-    if event["type"] != "tokens":
-        return None
-    for prev in reversed(out):
-        if prev["type"] != "tokens":
-            return None
-        if prev["index"] == event["index"]:
-            contiguous = prev["pos"] + len(prev["token_ids"]) == event["pos"]
-            same = prev["attempt"] == event["attempt"]
-            return prev if contiguous and same else None
-    return None
 
 
 def _chunks(items: list[EventWrite], max_events: int) -> list[list[EventWrite]]:

@@ -102,3 +102,43 @@ def test_reclaim_takes_only_entries_of_workers_without_a_heartbeat(
     owners = {p["message_id"].decode(): p["consumer"]
               for p in conn.xpending_range(JOBS, "workers", "-", "+", 10)}
     assert owners == {entries[0]: b"alive", entries[1]: b"me"}
+
+
+def test_reply_ttl_is_set_on_the_first_events_and_then_only_now_and_then(
+        redis_server: RedisServer) -> None:
+    (entry,) = setup_group(redis_server, "me", 1)
+    conn = redis_server.client()
+    reply = KEYS.reply("j0")
+    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer.start()
+
+    def write(pos: int) -> None:
+        writer.submit(Batch(events=[EventWrite(entry, 1, reply,
+                                               [tokens_event(1, 0, pos, [5], "x")])]))
+        writer.flush()
+
+    write(0)
+    assert 0 < conn.ttl(reply) <= 60
+    conn.persist(reply)
+    write(1)  # within a quarter of the TTL of the last EXPIRE: no EXPIRE per event
+    assert conn.ttl(reply) == -1
+    writer._ttl_set_at[reply] -= 16  # a quarter of the TTL later
+    write(2)
+    assert 0 < conn.ttl(reply) <= 60
+    writer.submit(Batch(finishes=[FinishWrite(entry, 1, reply,
+                                              encode_event(error_event(1, "x", "end")))]))
+    writer.flush()
+    writer.stop()
+    assert writer._ttl_set_at == {}  # forgotten at the finish
+    assert [e["pos"] for e in events_of(redis_server, "j0")[:3]] == [0, 1, 2]
+
+
+def test_a_second_finish_of_one_entry_in_the_same_call_writes_nothing(
+        redis_server: RedisServer) -> None:
+    (entry,) = setup_group(redis_server, "me", 1)
+    conn = redis_server.client()
+    fin = FinishWrite(entry, 1, KEYS.reply("j0"), encode_event(error_event(1, "x", "end")))
+    done = Scripts(conn).finish(keys=[JOBS, KEYS.dead("m"), KEYS.reply("j0"), KEYS.reply("j0")],
+                                args=finish_args([fin, fin], "workers", "me", 60, 60))
+    assert done == [1, 0]
+    assert [e["type"] for e in events_of(redis_server, "j0")] == ["error"]
