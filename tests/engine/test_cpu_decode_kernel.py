@@ -10,9 +10,8 @@ from engine.attention.torch_backend import TorchAttentionBackend
 
 
 def _case(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, seed: int,
-          batch: int = 9):
+          batch: int = 9, max_len: int = 70):
     g = torch.Generator().manual_seed(seed)
-    max_len = 70
     num_blocks = batch * -(-max_len // block_size) + 7
     k = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g)
     v = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g)
@@ -36,6 +35,31 @@ def test_kernel_equals_torch_reference(heads, head_size, block_size, batch):
     ref = TorchAttentionBackend._decode(q, k, v, tables, lens, int(lens.max()), 0.125)
     out = cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (16, 1), (64, 2)], ids=["group-3", "group-16",
+                                                                    "group-32"])
+@pytest.mark.parametrize("head_size", [8, 16, 24, 256])
+def test_kernel_equals_torch_reference_for_other_head_and_group_sizes(heads, head_size):
+    # Head sizes and groups with and without a specialised kernel (16, 256; groups 1/2/4/8).
+    q, k, v, tables, lens = _case(*heads, head_size, 16, seed=head_size, batch=5)
+    assert cpu_kernels.supports(q, k)
+    ref = TorchAttentionBackend._decode(q, k, v, tables, lens, int(lens.max()), 0.125)
+    out = cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 30.0])
+@pytest.mark.parametrize("head_size", [16, 64, 40])
+def test_sequences_longer_than_a_chunk_match_the_reference(magnitude, head_size):
+    # Contexts past the kernel's 256-token chunks: the softmax state carried from chunk to
+    # chunk, rescaled when a later chunk holds a larger score.
+    q, k, v, tables, lens = _case(8, 2, head_size, 16, seed=7, batch=6, max_len=1100)
+    q = q * magnitude
+    ref = TorchAttentionBackend._decode(q, k, v, tables, lens, int(lens.max()), 0.125)
+    out = cpu_kernels.paged_decode(q, k, v, tables, lens, 0.125)
+    tol = 1e-5 if magnitude <= 1 else 1e-4
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
 def test_nan_in_the_stale_tail_of_the_last_block_does_not_leak():
