@@ -5,8 +5,10 @@
 (b) Celery: an echo task, msgpack serializer, Redis broker and result backend, a prefork worker
     with 2 processes; submit -> started is the task's own start time, submit -> done is when the
     client holds the result.
-(c) token events/s: 256 running requests on one worker (engine-bound on a CPU), and the writer
-    thread alone with 256 owned entries (the Redis-side ceiling of the fenced writes).
+(c) token events: 256 running requests on one worker (engine-bound on a CPU): tokens streamed/s
+    and the tokens entries/s that carried them (when the writer falls behind Redis it sends a
+    sequence's tokens of several steps in one entry); and the writer thread alone with 256 owned
+    entries (the Redis-side ceiling of the fenced writes).
 
     python -m benchmarks.fleet_vs_celery [--jobs 2000] [--model DIR] [--json out.json]
 
@@ -227,8 +229,9 @@ def report(f: dict[str, Any]) -> None:
     if c:
         print(f"genq / celery: {g['jobs_per_s'] / c['jobs_per_s']:.2f}x")
     many, w = f["genq"]["running_256"], f["writer"]
-    print(f"token events/s, 256 running requests on one CPU worker: "
-          f"{many['token_events_per_s']:.0f}")
+    print(f"256 running requests on one CPU worker: {many['tokens_per_s']:.0f} tokens/s "
+          f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
+          f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
     for mode in ("per_step", "free_running"):
         m = w[mode]
         print(f"token events/s into the writer alone, 256 owned entries, {mode}: "

@@ -269,17 +269,21 @@ class Engine:
     def _output(self, group: SequenceGroup) -> RequestOutput:
         params = group.params
         finished = group.status is SequenceStatus.FINISHED
-        seqs = group.seqs
         ranked = params.best_of != params.n or params.use_beam_search
-        if ranked and not finished:
-            seqs = []  # best_of > n and beam search pick their n outputs only at the end
-        elif params.use_beam_search:
-            seqs = beam_search.best(seqs, params, params.n)
-        elif ranked:
-            seqs = sorted(seqs, key=lambda s: -s.ranking_logprob)[: params.n]
         if self.delta_outputs and not ranked:
-            outputs = [out for s in seqs if (out := _delta(s, params, finished)) is not None]
+            outputs = []
+            for s in group.seqs:
+                out = _delta(s, params, finished)
+                if out is not None:
+                    outputs.append(out)
         else:
+            seqs = group.seqs
+            if ranked and not finished:
+                seqs = []  # best_of > n and beam search pick their n outputs only at the end
+            elif params.use_beam_search:
+                seqs = beam_search.best(seqs, params, params.n)
+            elif ranked:
+                seqs = sorted(seqs, key=lambda s: -s.ranking_logprob)[: params.n]
             outputs = [CompletionOutput(i if ranked else s.index,
                                         s.output_token_ids, s.output_text, s.finish_reason,
                                         s.cumulative_logprob,
@@ -322,22 +326,27 @@ class Engine:
 def _delta(seq: Sequence, params: SamplingParams, request_done: bool) -> CompletionOutput | None:
     """What `seq` has not handed out yet (None when nothing, unless the request ends: its last
     output names every sequence). Text a stop string could still cut stays back until then."""
-    start = seq.num_prompt_tokens + seq.num_emitted_tokens
     ids = seq.token_ids
+    num_prompt = seq.num_prompt_tokens
+    start = num_prompt + seq.num_emitted_tokens
     text = seq.output_text
+    emitted_chars = seq.num_emitted_chars
     end = len(text)
     if params.stop and seq.finish_reason is None:
         end -= max(len(stop) for stop in params.stop) - 1
-    if start == len(ids) and end <= seq.num_emitted_chars and not request_done:
+    if end > emitted_chars:
+        new_text = text[emitted_chars:end]
+        seq.num_emitted_chars = end
+    elif start == len(ids) and not request_done:
         return None
-    new_text = text[seq.num_emitted_chars:end] if end > seq.num_emitted_chars else ""
-    seq.num_emitted_tokens = len(ids) - seq.num_prompt_tokens
-    seq.num_emitted_chars += len(new_text)
-    logprobs = None
-    if params.logprobs is not None:
-        logprobs = seq.output_logprobs[start - seq.num_prompt_tokens:]
+    else:
+        new_text = ""
+    seq.num_emitted_tokens = len(ids) - num_prompt
     return CompletionOutput(seq.index, ids[start:], new_text, seq.finish_reason,
-                            seq.cumulative_logprob, logprobs, seq.stop_reason)
+                            seq.cumulative_logprob,
+                            None if params.logprobs is None
+                            else seq.output_logprobs[start - num_prompt:],
+                            seq.stop_reason)
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

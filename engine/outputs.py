@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int  # sequence index within the request (0..n-1)
     token_ids: list[int]  # every output token so far
@@ -21,7 +21,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 _M32 = 0xFFFFFFFF
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     params: SamplingParams
     seed: int

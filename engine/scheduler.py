@@ -111,18 +111,20 @@ class Scheduler:
         queue, kept = self.running, deque[SequenceGroup]()
         bm, bs = self.block_manager, self.block_manager.block_size
         ref_counts, tables = bm.device.ref_counts, bm.tables
+        fast = self.config.artificial_preemption_prob == 0.0
+        scheduled = out.scheduled
         while queue:
             group = queue.popleft()
             seqs = group.seqs
-            if len(seqs) == 1 and budget.tokens and budget.seqs and group.width == 1 \
-                    and self.config.artificial_preemption_prob == 0.0:
+            if fast and len(seqs) == 1 and group.params.best_of == 1 and budget.tokens \
+                    and budget.seqs:
                 # Fast path, the common case: one sequence decoding into a slot it owns.
                 seq = seqs[0]
                 pos = seq.num_computed_tokens
                 table = tables.get(seq.seq_id, ())
                 if len(seq.token_ids) - pos == 1 and pos // bs < len(table) \
                         and ref_counts[table[pos // bs]] == 1:
-                    out.scheduled.append(ScheduledSeq(group, seq, 1, True))
+                    scheduled.append(ScheduledSeq(group, seq, 1, True))
                     budget.tokens -= 1
                     budget.seqs -= 1
                     out.num_batched_tokens += 1

@@ -36,6 +36,7 @@ from worker.scripts import flatten_fields
 log = logging.getLogger("genq.worker")
 _FINAL_FLUSH_S = 15.0
 _MAX_EARLY_CANCELS = 10_000
+_BUSY_BLOCK_MS = 2
 
 
 class Worker:
@@ -171,8 +172,15 @@ class Worker:
             self._admit(orphans)
             capacity -= len(orphans)
             capacity -= self._claim(include_self=False, count=capacity)
-        idle = not self.engine.has_unfinished() and not self.finishing
-        self._admit(self.reader.read(capacity, block=idle))
+        # Running requests: take what is there and step on. Nothing to run: wait in Redis for
+        # work, briefly while finish writes are in flight (their acks free capacity), rather
+        # than spinning on empty reads.
+        if self.engine.has_unfinished():
+            block_ms: int | None = None
+        else:
+            block_ms = min(_BUSY_BLOCK_MS, self.cfg.block_ms) if self.finishing \
+                else self.cfg.block_ms
+        self._admit(self.reader.read(capacity, block_ms))
 
     def _claim(self, include_self: bool, count: int) -> int:
         claimed = self.reader.claim(count, include_self)

@@ -38,15 +38,17 @@ class JobReader:
         self._backoff = 0.05
         self.failed = False  # a read failed since the loop last looked for orphans
 
-    def read(self, count: int, block: bool) -> list[Entry]:
-        """Up to `count` new entries (deliveries = 1); waits up to block_ms if `block`."""
+    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to `count` new entries (deliveries = 1); waits up to `block_ms` for the first
+        (None: returns at once)."""
+        block = block_ms is not None
         now = time.monotonic()
         if count <= 0 or now < self._next_read:
             return []
         try:
             resp = self.read_conn.xreadgroup(self.keys.group, self.me, {self.jobs_key: ">"},
                                              count=count,
-                                             block=self.cfg.block_ms if block else None)
+                                             block=block_ms)
             self._backoff = 0.05
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
