@@ -20,21 +20,32 @@ _BUCKET_RATIO = 1.5  # a decode bucket's longest context is at most this times i
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self) -> None:
+        # The last slot mapping seen to hold no -1: every layer of a step passes the same tensor,
+        # so the check (a host sync) runs once a step. Holding it keeps its id from being reused.
+        self._valid_slots: torch.Tensor | None = None
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         flat_k = key_cache.view(-1, *key_cache.shape[2:])
         flat_v = value_cache.view(-1, *value_cache.shape[2:])
-        if bool((slot_mapping < 0).any()):
-            keep = slot_mapping >= 0
-            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        if slot_mapping is not self._valid_slots:
+            if bool((slot_mapping < 0).any()):
+                keep = slot_mapping >= 0
+                key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+            else:
+                self._valid_slots = slot_mapping
         flat_k.index_copy_(0, slot_mapping, key)
         flat_v.index_copy_(0, slot_mapping, value)
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty_like(query)
         nd = meta.num_decode_seqs
+        if nd and nd == len(meta.seq_lens_list) and cpu_kernels.supports(query, key_cache):
+            return cpu_kernels.paged_decode(query.contiguous(), key_cache, value_cache,
+                                            meta.block_tables, meta.seq_lens, scale)
+        out = torch.empty_like(query)
         if nd and cpu_kernels.supports(query, key_cache):
             out[:nd] = cpu_kernels.paged_decode(query[:nd].contiguous(), key_cache, value_cache,
                                                 meta.block_tables[:nd], meta.seq_lens[:nd], scale)

@@ -88,10 +88,12 @@ class GPT2LMHeadModel(nn.Module):
         x = t.wte(input_ids) + t.wpe(positions)
         for block in t.h:
             x = block(x, ctx)
-        return t.ln_f(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.transformer.wte.weight.t()
+        """Logits of the rows of `forward`'s output that sample (ln_f is row-wise, so it runs on
+        those rows only)."""
+        return self.transformer.ln_f(hidden) @ self.transformer.wte.weight.t()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, param in self.named_parameters():

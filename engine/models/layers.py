@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -28,6 +29,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One op computing exactly Hugging Face's float32 arithmetic below.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Hugging Face normalises in float32 and rounds before the weight multiplies.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -36,7 +41,9 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_positions, in the Hugging Face convention
-    (rotate_half over the two halves of the head)."""
+    (rotate_half over the two halves of the head). The sin table has rotate_half's minus sign
+    folded into its first half, an exact change that saves a negation per layer; cos and sin sit
+    in one table so a step gathers them in one op."""
 
     def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -44,21 +51,35 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = _inv_freq(config, head_dim)
             t = torch.arange(max_positions, dtype=torch.float32)
             emb = torch.outer(t, inv_freq).repeat(1, 2)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        sin = emb.sin() * scaling
+        sin[:, : head_dim // 2].neg_()
+        self.register_buffer("cos_sin", torch.stack((emb.cos() * scaling, sin), dim=1),
+                             persistent=False)
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos_sin: torch.Tensor  # [max_positions, 2, head_dim]
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.cos_sin[:, 0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.cos_sin[:, 1]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # [num_tokens, 1, head_dim], broadcast over heads.
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        # cos, sin: [num_tokens, 1, head_dim], broadcast over heads.
+        cos, sin = self.cos_sin.index_select(0, positions).split(1, dim=1)
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x [num_tokens, heads, head_dim], `sin` sign-folded
+    (see RotaryEmbedding); computed in float32. Pass q and k as one tensor: half the ops."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    if x.dtype != torch.float32:
+        return (x.float() * cos + swapped.float() * sin).to(x.dtype)
+    return swapped.mul_(sin).add_(x * cos)
 
 
 def _inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:

@@ -31,17 +31,18 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = (q_size, kv_size, kv_size)
+        self.qk_size = q_size + kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.scale = attention_scale(self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k share the rotation: rotate them as one [num_tokens, heads + kv_heads] view.
+        qk = qkv[:, : self.qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, *rope).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = ctx.kv_cache[self.layer_idx]
         ctx.backend.write_kv(k, v, key_cache, value_cache, ctx.meta.slot_mapping)
         out = ctx.backend.forward(q, key_cache, value_cache, ctx.meta, self.scale, key=k, value=v)
@@ -57,7 +58,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # gate_up is ours to reuse
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,10 +106,12 @@ class LlamaForCausalLM(nn.Module):
         rope = self.model.rotary_emb(positions)
         for layer in self.model.layers:
             x = layer(x, rope, ctx)
-        return self.model.norm(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Logits of the rows of `forward`'s output that sample (the final norm is row-wise, so
+        it runs on those rows only)."""
+        return self.lm_head(self.model.norm(hidden))
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
