@@ -10,9 +10,10 @@
     sequence's tokens of several steps in one entry); and the writer thread alone with 256 owned
     entries (the Redis-side ceiling of the fenced writes).
 
-    python -m benchmarks.fleet_vs_celery [--jobs 2000] [--model DIR] [--json out.json]
+    python -m benchmarks.fleet_vs_celery [--jobs 2000] [--rounds 3] [--model DIR] [--json out.json]
 
-Throughput in both cases is jobs / (last done - first submit). Nothing is asserted here.
+Throughput in both cases is jobs / (last done - first submit). Rounds of (a) and (b) alternate,
+so both see the same machine; the ratio is reported per round. Nothing is asserted here.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def bench_genq(url: str, model_dir: Path, jobs: int, procs: list[subprocess.Popen[bytes]],
-               logdir: Path) -> dict[str, Any]:
+def start_genq(url: str, model_dir: Path, procs: list[subprocess.Popen[bytes]],
+               logdir: Path) -> Any:
+    """One genq worker process, warmed up; returns a Client."""
     from producer.bench import run_bench
     from producer.client import Client
 
@@ -91,11 +93,21 @@ def bench_genq(url: str, model_dir: Path, jobs: int, procs: list[subprocess.Pope
     wait_until(lambda: conn.exists("genq:worker:bench"), 300, "the genq worker")
     client = Client(url)
     run_bench(client, "tiny", 100, {"temperature": 0, "max_tokens": 1}, "warm up", True, 300)
-    one = run_bench(client, "tiny", jobs, {"temperature": 0, "max_tokens": 1},
-                    "the quick brown fox", True, 600)
-    many = run_bench(client, "tiny", 256, {"temperature": 0, "max_tokens": 64,
+    return client
+
+
+def genq_round_trips(client: Any, jobs: int) -> dict[str, Any]:
+    from producer.bench import run_bench
+
+    return run_bench(client, "tiny", jobs, {"temperature": 0, "max_tokens": 1},
+                     "the quick brown fox", True, 600)
+
+
+def genq_running_256(client: Any) -> dict[str, Any]:
+    from producer.bench import run_bench
+
+    return run_bench(client, "tiny", 256, {"temperature": 0, "max_tokens": 64,
                                            "ignore_eos": True}, "the quick brown fox", True, 600)
-    return {"round_trips": one, "running_256": many}
 
 
 def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, Any]:
@@ -135,10 +147,9 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
     return figures
 
 
-def bench_celery(url: str, jobs: int, procs: list[subprocess.Popen[bytes]],
-                 logdir: Path) -> dict[str, Any] | None:
+def start_celery(url: str, procs: list[subprocess.Popen[bytes]], logdir: Path) -> bool:
     if celery_app is None:
-        return None
+        return False
     env = {**os.environ, "GENQ_BENCH_REDIS": url, "PYTHONPATH": str(REPO)}
     log = open(logdir / "celery-worker.log", "wb")  # noqa: SIM115
     procs.append(subprocess.Popen(
@@ -148,6 +159,12 @@ def bench_celery(url: str, jobs: int, procs: list[subprocess.Popen[bytes]],
         stderr=subprocess.STDOUT))
     celery_app.conf.update(broker_url=url, result_backend=url)
     echo.delay(-1).get(timeout=120)  # the worker is up
+    for res in [echo.apply_async(args=(i,)) for i in range(100)]:  # warm up
+        res.get(timeout=120)
+    return True
+
+
+def celery_round_trips(jobs: int) -> dict[str, Any]:
     submitted: list[float] = []
     results = []
     for i in range(jobs):
@@ -177,7 +194,8 @@ def tiny_model(tmp: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--jobs", type=int, default=2000, help="jobs per round trip round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating genq/Celery rounds")
     parser.add_argument("--model", default=None, help="model dir (default: a tiny random Llama)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -192,9 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_until(lambda: _ping(url), 10, "redis-server")
         model = Path(args.model) if args.model else tiny_model(tmp)
-        figures: dict[str, Any] = {"genq": bench_genq(url, model, args.jobs, procs, tmp),
+        client = start_genq(url, model, procs, tmp)
+        has_celery = start_celery(url, procs, tmp)
+        rounds: list[dict[str, Any]] = []
+        for _ in range(args.rounds):  # alternating, so both see the same machine
+            row = {"genq": genq_round_trips(client, args.jobs)}
+            if has_celery:
+                row["celery"] = celery_round_trips(args.jobs)
+            rounds.append(row)
+        figures: dict[str, Any] = {"rounds": rounds,
+                                   "running_256": [genq_running_256(client)
+                                                   for _ in range(args.rounds)],
                                    "writer": bench_writer(url)}
-        figures["celery"] = bench_celery(url, args.jobs, procs, tmp)
         report(figures)
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
@@ -218,25 +245,34 @@ def _ping(url: str) -> bool:
 
 
 def report(f: dict[str, Any]) -> None:
-    g = f["genq"]["round_trips"]
-    c = f["celery"]
-    print(f"{'':<28}{'jobs/s':>10}{'started p50':>13}{'p99':>8}{'done p50':>10}{'p99':>8}")
-    rows = [("genq (max_tokens=1, 1 worker)", g)] + ([("celery echo (2 prefork)", c)] if c else [])
-    for name, r in rows:
-        s, d = r["submit_to_started_ms"], r["submit_to_done_ms"]
-        print(f"{name:<28}{r['jobs_per_s']:>10.0f}{s['p50']:>13.0f}{s['p99']:>8.0f}"
-              f"{d['p50']:>10.0f}{d['p99']:>8.0f}")
-    if c:
-        print(f"genq / celery: {g['jobs_per_s'] / c['jobs_per_s']:.2f}x")
-    many, w = f["genq"]["running_256"], f["writer"]
-    print(f"256 running requests on one CPU worker: {many['tokens_per_s']:.0f} tokens/s "
-          f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
-          f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
+    print(f"{'round trips, max_tokens=1':<30}{'jobs/s':>8}{'started p50':>13}{'p99':>7}"
+          f"{'done p50':>10}{'p99':>7}")
+    ratios = []
+    for i, row in enumerate(f["rounds"], 1):
+        names = [("genq, 1 worker", "genq"), ("celery echo, 2 prefork", "celery")]
+        for label, key in names:
+            if key not in row:
+                continue
+            r = row[key]
+            s, d = r["submit_to_started_ms"], r["submit_to_done_ms"]
+            print(f"{f'round {i}: {label}':<30}{r['jobs_per_s']:>8.0f}{s['p50']:>13.0f}"
+                  f"{s['p99']:>7.0f}{d['p50']:>10.0f}{d['p99']:>7.0f}")
+        if "celery" in row:
+            ratios.append(row["genq"]["jobs_per_s"] / row["celery"]["jobs_per_s"])
+    if ratios:
+        print(f"genq / celery per round: {', '.join(f'{r:.1f}x' for r in ratios)}; "
+              f"median {statistics.median(ratios):.1f}x")
+    for many in f["running_256"]:
+        print(f"256 running requests on one CPU worker: {many['tokens_per_s']:.0f} tokens/s "
+              f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
+              f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
+    w = f["writer"]
     for mode in ("per_step", "free_running"):
         m = w[mode]
         print(f"token events/s into the writer alone, 256 owned entries, {mode}: "
               f"{m['token_events_per_s']:.0f} ({m['xadds']} XADDs for {m['token_events']} "
               "events)")
+
 
 if __name__ == "__main__":
     sys.exit(main())

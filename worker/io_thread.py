@@ -149,35 +149,52 @@ class Writer(threading.Thread):
             backoff = min(backoff * 2, 2.0)
 
     def _write(self, batch: Batch) -> None:
+        try:
+            self._write_once(batch)
+        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+            self.scripts.load()
+            self._write_once(batch)
+
+    def _write_once(self, batch: Batch) -> None:
         pipe = self.conn.pipeline(transaction=False)
         calls: list[str] = []
         events = coalesce(batch.events)
+        num_events = sum(len(w.events) for w in events)
         now = time.monotonic()
         refreshed: list[str] = []  # reply keys whose TTL this write sets
         stale = now - self.reply_ttl / 4
         ttl_at = self._ttl_set_at
-        for chunk in _chunks(events, self.max_events_per_call):
+        chunks = [events] if num_events <= self.max_events_per_call else \
+            _chunks(events, self.max_events_per_call)
+        for chunk in chunks:
             keys = [self.jobs_key]
             index: list[Any] = []
             blobs: list[bytes] = []
             for w in chunk:
-                encoded = [encode_event(e) for e in w.events]
+                if len(w.events) == 1:  # the common case: one step's tokens of one sequence
+                    blob = encode_event(w.events[0])
+                    blobs.append(blob)
+                    lengths = [len(blob)]
+                else:
+                    encoded = [encode_event(e) for e in w.events]
+                    blobs += encoded
+                    lengths = [len(b) for b in encoded]
                 refresh = ttl_at.get(w.reply_key, -math.inf) < stale
                 if refresh:
                     refreshed.append(w.reply_key)
                 keys.append(w.reply_key)
-                index.append([w.entry_id, w.deliveries, [len(b) for b in encoded], refresh])
-                blobs += encoded
+                index.append([w.entry_id, w.deliveries, lengths, refresh])
             args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs)]
-            self.scripts.write_events(keys=keys, args=args, client=pipe)
+            self.scripts.queue(pipe, self.scripts.write_events, keys, args)
             calls.append("events")
         step = self.max_events_per_call
         for lo in range(0, len(batch.finishes), step):
             fins = batch.finishes[lo:lo + step]
-            self.scripts.finish(keys=[self.jobs_key, self.dead_key,
-                                      *(fin.reply_key or self.jobs_key for fin in fins)],
-                                args=finish_args(fins, self.group, self.me, self.reply_ttl,
-                                                 self.dead_ttl), client=pipe)
+            self.scripts.queue(pipe, self.scripts.finish,
+                               [self.jobs_key, self.dead_key,
+                                *(fin.reply_key or self.jobs_key for fin in fins)],
+                               finish_args(fins, self.group, self.me, self.reply_ttl,
+                                           self.dead_ttl))
             calls.append("finish")
         results = pipe.execute()
         for key in refreshed:  # only now: a retried write must set them again
@@ -190,7 +207,7 @@ class Writer(threading.Thread):
                         ttl_at.pop(w.reply_key, None)
                 for entry_id in lost:
                     self.lost.put(entry_id)
-        self.num_events_written += sum(len(w.events) for w in events)
+        self.num_events_written += num_events
         self.num_token_events_in += sum(len(w.events) for w in batch.events)
         for fin in batch.finishes:
             if fin.reply_key is not None:

@@ -143,9 +143,21 @@ class Scripts:
     """The scripts registered on one client (redis-py re-loads them after a NOSCRIPT)."""
 
     def __init__(self, conn: redis.Redis) -> None:
+        self.conn = conn
         self.write_events = conn.register_script(WRITE_EVENTS_LUA)
         self.finish = conn.register_script(FINISH_LUA)
         self.reclaim = conn.register_script(RECLAIM_LUA)
+
+    @staticmethod
+    def queue(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> None:
+        """EVALSHA `script` in `pipe` as is. redis-py checks every pipelined script with a
+        SCRIPT EXISTS round trip per execute; callers of this instead catch NoScriptError,
+        `load()` and run the pipeline again (the scripts are fenced: a rerun is safe)."""
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def load(self) -> None:
+        for script in (self.write_events, self.finish, self.reclaim):
+            script.sha = self.conn.script_load(script.script)
 
 
 def flatten_fields(fields: dict[str, bytes] | dict[bytes, bytes]) -> list[Any]:

@@ -142,3 +142,23 @@ def test_a_second_finish_of_one_entry_in_the_same_call_writes_nothing(
                                 args=finish_args([fin, fin], "workers", "me", 60, 60))
     assert done == [1, 0]
     assert [e["type"] for e in events_of(redis_server, "j0")] == ["error"]
+
+
+def test_writes_go_on_after_redis_forgets_the_scripts(redis_server: RedisServer) -> None:
+    (entry,) = setup_group(redis_server, "me", 1)
+    conn = redis_server.client()
+    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer.start()
+    for pos in range(3):
+        if pos == 1:
+            conn.script_flush()  # what a restarted Redis knows of our scripts: nothing
+        writer.submit(Batch(events=[EventWrite(entry, 1, KEYS.reply("j0"),
+                                               [tokens_event(1, 0, pos, [5 + pos], "x")])]))
+        writer.flush()
+    writer.submit(Batch(finishes=[FinishWrite(entry, 1, KEYS.reply("j0"),
+                                              encode_event(error_event(1, "x", "end")))]))
+    writer.flush()
+    writer.stop()
+    assert writer.error is None
+    assert [(e["type"], e.get("pos")) for e in events_of(redis_server, "j0")] == [
+        ("tokens", 0), ("tokens", 1), ("tokens", 2), ("error", None)]
