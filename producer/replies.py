@@ -17,6 +17,8 @@ from producer.protocol import TERMINAL_EVENT_TYPES
 
 
 class ReplyDeduper:
+    fast_path = True  # in-step chunks skip the general rules (the tests run both and compare)
+
     def __init__(self) -> None:
         self.attempt = 0
         self.finished = False
@@ -46,8 +48,8 @@ class ReplyDeduper:
     def _tokens(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         index, pos = event["index"], event["pos"]
         state = self._current.get(index)
-        if state is not None and state is self._delivered.get(index) and pos == len(state[0]) \
-                and event["token_ids"]:
+        if self.fast_path and state is not None and state is self._delivered.get(index) \
+                and pos == len(state[0]) and event["token_ids"]:
             # The common case, in O(new tokens): the next chunk of what was delivered so far.
             state[0].extend(event["token_ids"])
             self._current[index] = self._delivered[index] = (state[0], state[1] + event["text"])

@@ -23,7 +23,7 @@ from worker.token_text import TokenTexts
 _SPECIAL_TOKEN_ALLOWANCE = 4
 
 
-@dataclass
+@dataclass(slots=True)
 class Rejection:
     entry_id: str
     deliveries: int
@@ -35,7 +35,7 @@ class Rejection:
     raw_job: bytes | None
 
 
-@dataclass
+@dataclass(slots=True)
 class Admitted:
     job: ActiveJob
     prompt: str | list[int]

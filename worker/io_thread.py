@@ -26,7 +26,7 @@ log = logging.getLogger("genq.worker")
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
 
 
-@dataclass
+@dataclass(slots=True)
 class EventWrite:
     """Events of one attempt (unencoded), written only while this worker still owns the entry."""
 
@@ -36,7 +36,7 @@ class EventWrite:
     events: list[dict[str, Any]]
 
 
-@dataclass
+@dataclass(slots=True)
 class FinishWrite:
     """The end of one attempt: terminal event / dead letter / hand-back, then XACK + XDEL."""
 
@@ -48,7 +48,7 @@ class FinishWrite:
     readd_fields: list[object] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class Batch:
     events: list[EventWrite] = field(default_factory=list)
     finishes: list[FinishWrite] = field(default_factory=list)

@@ -13,7 +13,7 @@ from producer.protocol import JobSpec, done_event, encode_event, error_event, to
 from worker.token_text import TokenTexts
 
 
-@dataclass
+@dataclass(slots=True)
 class ActiveJob:
     entry_id: str  # the job-stream entry; also the engine request id (unique per attempt)
     deliveries: int  # with this worker's name: the fencing token of the attempt

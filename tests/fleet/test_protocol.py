@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-from typing import Any
 
 import msgpack
 import pytest
@@ -235,35 +234,7 @@ def test_producer_never_imports_torch_or_engine() -> None:
 class _PlainDeduper(ReplyDeduper):
     """The deduper's rules with no fast path (every event through the general algorithm)."""
 
-    def _tokens(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        index, pos = event["index"], event["pos"]
-        cur_ids, cur_text = self._current.get(index, ([], ""))
-        done_ids, done_text = self._delivered.get(index, ([], ""))
-        if pos < len(cur_ids):
-            return []  # a retried write of this attempt
-        if pos > len(cur_ids):  # a gap (Redis lost writes): trust what was delivered before it
-            if pos > len(done_ids):
-                cur_ids, cur_text = list(done_ids) + [-1] * (pos - len(done_ids)), done_text
-            else:
-                cur_ids, cur_text = list(done_ids[:pos]), done_text
-        cur_ids = cur_ids + list(event["token_ids"])
-        cur_text = cur_text + event["text"]
-        self._current[index] = (cur_ids, cur_text)
-        common = min(len(cur_ids), len(done_ids))
-        if cur_ids[:common] != done_ids[:common]:
-            out = [self._restart(f"attempt {self.attempt} diverged from the streamed tokens")]
-            for i, (ids, text) in sorted(self._current.items()):
-                out.append(self._chunk(event, i, 0, ids, text))
-                self._delivered[i] = (ids, text)
-            return out
-        if len(cur_ids) <= len(done_ids):
-            return []
-        new_text = cur_text[len(done_text):] if cur_text.startswith(done_text) else event["text"]
-        chunk = self._chunk(event, index, len(done_ids), cur_ids[len(done_ids):], new_text)
-        if "logprobs" in event:
-            chunk["logprobs"] = event["logprobs"][len(event["logprobs"]) - len(chunk["token_ids"]):]
-        self._delivered[index] = (cur_ids, cur_text)
-        return [chunk]
+    fast_path = False
 
 
 @settings(max_examples=300, deadline=None)
