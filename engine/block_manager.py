@@ -39,6 +39,20 @@ class BlockAllocator:
         self.ref_counts[block] = 1
         return block
 
+    def allocate_many(self, count: int) -> list[int]:
+        """`count` blocks, in the order `count` calls of allocate() would hand them out."""
+        free = self._free
+        if count > len(free):
+            raise RuntimeError("no free block: the scheduler must check capacity first")
+        cut = len(free) - count
+        blocks = free[cut:]
+        del free[cut:]
+        blocks.reverse()
+        ref_counts = self.ref_counts
+        for block in blocks:
+            ref_counts[block] = 1
+        return blocks
+
     def incref(self, block: int) -> None:
         self.ref_counts[block] += 1
 
@@ -48,6 +62,17 @@ class BlockAllocator:
             self._free.append(block)
         elif self.ref_counts[block] < 0:
             raise RuntimeError(f"block {block} freed twice")
+
+    def decref_all(self, blocks: Iterable[int]) -> None:
+        """decref() of each block, in order."""
+        ref_counts, free = self.ref_counts, self._free
+        for block in blocks:
+            count = ref_counts[block] - 1
+            ref_counts[block] = count
+            if count == 0:
+                free.append(block)
+            elif count < 0:
+                raise RuntimeError(f"block {block} freed twice")
 
 
 class BlockManager:
@@ -80,8 +105,7 @@ class BlockManager:
 
     def allocate(self, group: SequenceGroup) -> None:
         for seq in group.live_seqs():
-            self.tables[seq.seq_id] = [self.device.allocate()
-                                       for _ in range(self.blocks_for(seq.num_tokens))]
+            self.tables[seq.seq_id] = self.device.allocate_many(self.blocks_for(seq.num_tokens))
 
     def _fit(self, needed: int) -> AllocStatus:
         if needed > self.num_total_blocks - self.watermark_blocks:
@@ -132,10 +156,13 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         # Last block first: the free stack then hands the run back in ascending order, so the
         # next prompt's blocks are contiguous in memory (the CPU decode kernel streams them).
-        for block in reversed(self.tables.pop(seq.seq_id, ())):
-            self.device.decref(block)
-        for block in reversed(self.host_tables.pop(seq.seq_id, ())):
-            self.host.decref(block)
+        table = self.tables.pop(seq.seq_id, None)
+        if table:
+            self.device.decref_all(reversed(table))
+        if self.host_tables:
+            table = self.host_tables.pop(seq.seq_id, None)
+            if table:
+                self.host.decref_all(reversed(table))
 
     def free_group(self, group: SequenceGroup) -> None:
         for seq in group.seqs:

@@ -5,8 +5,10 @@ tokens and comparing with the window minus the new tokens avoids both quadratic 
 broken UTF-8 (a character split across tokens decodes to U+FFFD until its last byte arrives).
 
 With a byte-level vocabulary (engine/tokenizer.py's ByteTable) the same rule runs on bytes:
-once the emitted text ends on a whole character, the window's text is the prefix's text plus the
-new tokens' bytes decoded on their own, so no decoder call is needed for ordinary tokens.
+once the text before the new tokens ends on a whole character (anything was emitted, or the
+prompt's tail is ordinary tokens whose bytes decode cleanly), the window's text is the prefix's
+text plus the new tokens' bytes decoded on their own, so no decoder call is needed for ordinary
+tokens.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ def decode_delta(tokenizer: Any, seq: Sequence, skip_special_tokens: bool,
     """Advance `seq`'s detokenizer over its newest tokens; returns the new text (maybe '')."""
     ids = seq.token_ids
     # The byte path needs a prefix that ends on a whole character: true once anything was
-    # emitted (emitted text never ends in U+FFFD), not always of the prompt's tail.
-    if table is not None and seq.read_offset > seq.num_prompt_tokens:
+    # emitted (emitted text never ends in U+FFFD); of the prompt's tail, when its tokens are
+    # ordinary and their bytes decode on their own.
+    if table is not None and (seq.read_offset > seq.num_prompt_tokens
+                              or _whole_characters(table, ids[seq.prefix_offset:seq.read_offset])):
         data = table.join(ids, seq.read_offset)
         if data is not None:
             text = data.decode("utf-8", "replace")
@@ -48,6 +52,18 @@ def decode_delta(tokenizer: Any, seq: Sequence, skip_special_tokens: bool,
         seq.read_offset = len(ids)
         return full[len(prefix):]
     return ""
+
+
+def _whole_characters(table: ByteTable, token_ids: list[int]) -> bool:
+    """Whether `token_ids` are ordinary tokens whose bytes are whole UTF-8 characters."""
+    data = table.join(token_ids, 0)
+    if data is None:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def decode_output(tokenizer: Any, seq: Sequence, num_tokens: int, skip_special_tokens: bool) -> str:

@@ -208,6 +208,7 @@ class Engine:
                 self.eos_token_ids, self.max_model_len, lambda: next(self._seq_ids))
         self.counters["num_generated_tokens"] += len(rows)
         now = time.monotonic()
+        done = []
         for group in {id(item.group): item.group for item in sampled}.values():
             if group.first_token_time is None:
                 group.first_token_time = now
@@ -215,8 +216,10 @@ class Engine:
             if len(seqs) > 1:
                 seqs.sort(key=lambda s: s.index)
             if not seqs or (seqs[0].finish_reason is not None and group.is_finished()):
-                self.scheduler.running.remove(group)
                 self._finish_group(group)
+                done.append(group)
+        if done:
+            self.scheduler.remove_running(done)
 
     def _append(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float | None,
                 top: dict[int, float] | None) -> None:
@@ -310,10 +313,9 @@ class Engine:
             raise ValueError("prompt must be a string or a list of token ids (ints)")
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return token_ids
 
     def _reject(self, group: SequenceGroup, message: str) -> None:

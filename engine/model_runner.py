@@ -1,15 +1,16 @@
 """ModelRunner: a SchedulerOutput's sequences -> flat model inputs -> logits of sampling rows.
 
-Inputs are built per sequence (slicing token lists), never per token: positions and slot
-mappings come from tensor arithmetic over the whole batch. A step of decodes only (one token per
-sequence) needs no per-token arithmetic at all: its inputs are per-sequence host lists, turned
-into one int64 and one int32 tensor.
+Inputs are built per sequence, never per token in Python: token slices, and position and slot
+ranges (one per block) that C-level iteration expands. Every step's inputs are host lists turned
+into one int64 and one int32 tensor; a step of decodes only (one token per sequence) needs no
+ranges at all.
 """
 
 from __future__ import annotations
 
 from array import array
-from itertools import chain
+from collections.abc import Iterable
+from itertools import accumulate, chain
 
 import torch
 from torch import nn
@@ -51,37 +52,37 @@ class ModelRunner:
         """Model inputs, attention metadata and the rows that sample (None: every row, in
         order)."""
         starts = [s.seq.num_computed_tokens for s in batch]
-        tables = [self.block_manager.table(s.seq) for s in batch]
+        block_tables = self.block_manager.tables
+        tables = [block_tables[s.seq.seq_id] for s in batch]
         width = max(map(len, tables))
         pad = [0] * width
         flat_tables = list(chain.from_iterable(
             t if len(t) == width else t + pad[len(t):] for t in tables))
         if all(s.num_new_tokens == 1 for s in batch):
             return self._prepare_decodes(batch, starts, tables, flat_tables, width)
+        bs = self.block_size
         q_lens = [s.num_new_tokens for s in batch]
         seq_lens = [a + b for a, b in zip(starts, q_lens)]
         num_decode = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
+        # Per sequence, never per token: token slices, and position and slot ranges.
         tokens = list(chain.from_iterable(
             s.seq.token_ids[a:b] for s, a, b in zip(batch, starts, seq_lens)))
-        input_ids = _int_tensor(tokens, torch.int64)
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-        cu_q = torch.zeros(len(batch) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens_t, 0, out=cu_q[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(batch)), q_lens_t)
-        positions = torch.tensor(starts, dtype=torch.int64)[seq_index] + \
-            torch.arange(len(tokens)) - cu_q[:-1][seq_index]
-        block_tables = _int_tensor(flat_tables, torch.int32).view(len(batch), width)
-        slots = block_tables[seq_index, positions // self.block_size].long() * self.block_size + \
-            positions % self.block_size
-        sample_rows = (cu_q[1:] - 1)[torch.tensor([s.do_sample for s in batch])]
+        positions = list(chain.from_iterable(map(range, starts, seq_lens)))
+        slots = list(chain.from_iterable(
+            _slots(t, a, b, bs) for t, a, b in zip(tables, starts, seq_lens)))
+        cu_q = list(accumulate(q_lens, initial=0))
+        n, num_tokens = len(batch), cu_q[-1]
+        sample_rows = [c - 1 for c, s in zip(cu_q[1:], batch) if s.do_sample]
         dev = self.device
+        longs = _int_tensor(tokens + positions + slots + sample_rows, torch.int64).to(dev)
+        ints = _int_tensor(cu_q + seq_lens + flat_tables, torch.int32).to(dev)
+        input_ids, positions_t, slot_mapping = longs[:3 * num_tokens].view(3, num_tokens)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(dev), query_start_loc=cu_q.to(torch.int32).to(dev),
-            seq_lens=_int_tensor(seq_lens, torch.int32).to(dev),
-            block_tables=block_tables.to(dev), max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens), num_decode_seqs=num_decode, seq_lens_list=seq_lens,
-            query_lens_list=q_lens)
-        return input_ids.to(dev), positions.to(dev), meta, sample_rows.to(dev)
+            slot_mapping=slot_mapping, query_start_loc=ints[:n + 1],
+            seq_lens=ints[n + 1:2 * n + 1], block_tables=ints[2 * n + 1:].view(n, width),
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_decode_seqs=num_decode,
+            seq_lens_list=seq_lens, query_lens_list=q_lens)
+        return input_ids, positions_t, meta, longs[3 * num_tokens:]
 
     def _prepare_decodes(self, batch: list[ScheduledSeq], starts: list[int],
                          tables: list[list[int]], flat_tables: list[int],
@@ -106,6 +107,19 @@ class ModelRunner:
         rows = [i for i, s in enumerate(batch) if s.do_sample]
         return input_ids, positions, meta, torch.tensor(rows, dtype=torch.int64,
                                                         device=self.device)
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> Iterable[int]:
+    """Cache slots of positions start..end-1 of a sequence with block table `table`: one range
+    per block."""
+    first, last = start // block_size, (end - 1) // block_size
+    if first == last:
+        base = (table[first] - first) * block_size
+        return range(base + start, base + end)
+    return chain.from_iterable(
+        range((table[j] - j) * block_size + max(start, j * block_size),
+              (table[j] - j) * block_size + min(end, (j + 1) * block_size))
+        for j in range(first, last + 1))
 
 
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}

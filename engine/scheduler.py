@@ -88,6 +88,18 @@ class Scheduler:
                     return group
         return None
 
+    def remove_running(self, groups: list[SequenceGroup]) -> None:
+        """Take `groups` (finished outside the scheduler) out of the running queue, order kept."""
+        if len(groups) <= 8:
+            for group in groups:
+                self.running.remove(group)  # identity: SequenceGroup compares by identity
+            return
+        gone = {id(g) for g in groups}
+        kept = deque(g for g in self.running if id(g) not in gone)
+        if len(kept) + len(groups) != len(self.running):
+            raise ValueError("a group to remove is not running")
+        self.running = kept
+
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
@@ -182,10 +194,39 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         bm = self.block_manager
-        while self.waiting:
-            group = self.waiting[0]
+        device, tables, bs = bm.device, bm.tables, bm.block_size
+        chunked = self.config.enable_chunked_prefill
+        max_tokens = self.config.max_num_batched_tokens
+        max_blocks = bm.num_total_blocks - bm.watermark_blocks
+        waiting, running, scheduled = self.waiting, self.running, out.scheduled
+        while waiting:
+            group = waiting[0]
+            seqs = group.seqs
+            if len(seqs) == 1 and group.params.best_of == 1 and seqs[0].finish_reason is None:
+                # Fast path, the common case: one sequence whose prompt fits the budget and the
+                # cache; the same decisions as below, without building a plan.
+                seq = seqs[0]
+                num_tokens = len(seq.token_ids)
+                remaining = num_tokens - seq.num_computed_tokens
+                num_blocks = -(-num_tokens // bs)
+                if (chunked or remaining <= max_tokens) and num_blocks <= max_blocks:
+                    left = budget.tokens
+                    take = min(remaining, left) if chunked else remaining
+                    if device.num_free - num_blocks < bm.watermark_blocks or budget.seqs < 1 \
+                            or take == 0 or take > left:
+                        break  # LATER, or no budget left this step
+                    waiting.popleft()
+                    # Fresh blocks for the whole prompt: no copy-on-write, nothing to append.
+                    tables[seq.seq_id] = device.allocate_many(num_blocks)
+                    group.status = SequenceStatus.RUNNING
+                    scheduled.append(ScheduledSeq(group, seq, take, take == remaining))
+                    budget.tokens = left - take
+                    budget.seqs -= 1
+                    out.num_batched_tokens += take
+                    running.append(group)
+                    continue
             if self._never_fits_budget(group):
-                self.waiting.popleft()
+                waiting.popleft()
                 self._finish(group, "length" if group.seqs[0].num_output_tokens else "error",
                              f"the request has {group.seqs[0].num_tokens} tokens but "
                              f"max_num_batched_tokens is {self.config.max_num_batched_tokens} and "
@@ -193,7 +234,7 @@ class Scheduler:
                 continue
             status = bm.can_allocate(group)
             if status is AllocStatus.NEVER:
-                self.waiting.popleft()
+                waiting.popleft()
                 blocks = bm.blocks_to_allocate(group)
                 self._finish(group, "error", f"the request needs {blocks} KV blocks of "
                              f"{bm.block_size} tokens but the cache holds only "
@@ -205,11 +246,11 @@ class Scheduler:
             plan = self._plan(group, budget)
             if not plan:
                 break
-            self.waiting.popleft()
+            waiting.popleft()
             bm.allocate(group)
             group.status = SequenceStatus.RUNNING
             self._commit(group, plan, out, budget)
-            self.running.append(group)
+            running.append(group)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _plan(self, group: SequenceGroup, budget: _Budget) -> list[ScheduledSeq]:

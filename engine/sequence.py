@@ -16,7 +16,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class Sequence:
     seq_id: int  # engine-wide unique; keys the block manager's tables
     index: int  # position among the request's sequences (the sampler's key, the output index)
@@ -71,10 +71,11 @@ class Sequence:
         self.num_computed_tokens = 0
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class SequenceGroup:
     """One request. It starts with one sequence; a request with best_of > 1 forks into best_of
-    sequences at its first sample, so the prompt is computed once and its blocks are shared."""
+    sequences at its first sample, so the prompt is computed once and its blocks are shared.
+    Equality is identity: two requests are never the same one (and queue removals stay cheap)."""
 
     request_id: str
     params: SamplingParams

@@ -48,9 +48,14 @@ class AttentionMetadata:
                     plan.fresh.setdefault(self.query_lens_list[i], []).append(i)
                 else:
                     plan.chunks.append(i)
-            plan.fresh_rows = {
-                length: torch.cat([torch.arange(starts[i], starts[i] + length) for i in seqs])
-                .to(self.slot_mapping.device) for length, seqs in plan.fresh.items()}
+            for length, seqs in plan.fresh.items():
+                first = starts[seqs[0]]
+                if seqs[-1] - seqs[0] == len(seqs) - 1:  # consecutive prompts: one run of rows
+                    plan.fresh_rows[length] = slice(first, first + length * len(seqs))
+                else:  # each prompt's rows, prompts in order: [seqs, length] flattened
+                    plan.fresh_rows[length] = (
+                        torch.tensor([starts[i] for i in seqs])[:, None] + torch.arange(length)
+                    ).view(-1).to(self.slot_mapping.device)
             self._prefills = plan
         return self._prefills
 
@@ -60,7 +65,8 @@ class PrefillPlan:
     starts: list[int]  # query row where each sequence starts (host copy of query_start_loc)
     chunks: list[int]  # sequences with cached context before this step's tokens
     fresh: dict[int, list[int]]  # length -> whole prompts of that length (no cached context)
-    fresh_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # their query rows
+    # Their query rows: a slice when the prompts are consecutive in the batch (no gather).
+    fresh_rows: dict[int, torch.Tensor | slice] = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):

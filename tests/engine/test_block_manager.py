@@ -112,3 +112,15 @@ def test_double_free_is_an_error():
     bm.device.decref(block)
     with pytest.raises(RuntimeError, match="freed twice"):
         bm.device.decref(block)
+
+
+def test_allocate_many_hands_out_the_blocks_that_single_allocations_would():
+    one, many = BlockManager(16, 0, 4, 0.0).device, BlockManager(16, 0, 4, 0.0).device
+    for pool in (one, many):  # a free stack out of order: blocks 2 and 5 come back
+        taken = [pool.allocate() for _ in range(8)]
+        pool.decref_all([taken[5], taken[2]])
+    assert [one.allocate() for _ in range(5)] == many.allocate_many(5) == [2, 5, 8, 9, 10]
+    assert one.ref_counts == many.ref_counts
+    with pytest.raises(RuntimeError, match="no free block"):
+        many.allocate_many(6)  # 5 left
+    assert many.num_free == 5

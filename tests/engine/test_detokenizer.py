@@ -80,3 +80,36 @@ def test_final_text_is_the_same_streamed_or_decoded_once(tiny_llama, make_llm):
     assert [o.outputs[0].token_ids for o in once] == [o.outputs[0].token_ids for o in streamed]
     assert [o.outputs[0].text for o in once] == [o.outputs[0].text for o in streamed]
     assert any(o.outputs[0].text for o in once)
+
+
+def test_first_tokens_decode_the_same_through_the_byte_table_after_any_prompt_tail(tiny_llama):
+    # The byte path starts at the first output when the prompt's tail is whole characters of
+    # ordinary tokens; tails ending mid-character or holding an added token take the decoder.
+    import random
+
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import byte_table
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    decoder = fast_decoder(tok)
+    table = byte_table(tok, decoder)
+    assert table is not None
+    byte = {data: i for i, data in enumerate(table.token_bytes) if data is not None}
+    sun = [byte[bytes([b])] for b in "日".encode()]  # one token per byte: pieces of a character
+    chars = tok("日本語🙂é").input_ids
+    fox = tok("the fox").input_ids
+    tails = [fox, fox + sun[:1], sun[:2], [0] + fox, fox + [1], chars, [0], fox[:1]]
+    rng = random.Random(5)
+    for prompt in tails:
+        outputs = sun[1:] + [rng.choice(chars + fox + sun + [1]) for _ in range(6)]
+        runs = []
+        for use in (None, table):
+            seq = Sequence(0, 0, list(prompt), len(prompt))
+            init_offsets(seq)
+            deltas = []
+            for token in outputs:
+                seq.token_ids.append(token)
+                deltas.append(decode_delta(decoder, seq, True, use))
+            runs.append((deltas, seq.prefix_offset, seq.read_offset))
+        assert runs[0] == runs[1], prompt

@@ -145,3 +145,33 @@ def test_artificial_preemption_is_bounded_and_work_completes():
     drain(sched)
     assert sched.counters["num_artificial_preemptions"] == 7
     assert all(g.seqs[0].num_output_tokens == 10 for g in groups)
+
+
+def test_a_waiting_prompt_waits_at_the_watermark_then_takes_fresh_blocks_in_chunks():
+    cfg = EngineConfig(model="unused", block_size=4, watermark=0.25, max_num_batched_tokens=6)
+    sched = Scheduler(cfg, BlockManager(8, 0, 4, 0.25))  # 2 blocks held back from admission
+    first = add(sched, 16, 0.0)  # 4 blocks
+    second = add(sched, 9, 1.0)  # 3 blocks: 4 + 3 > 8 - 2, so it waits
+    out = sched.schedule()
+    assert [(s.group, s.num_new_tokens, s.do_sample) for s in out.scheduled] == \
+        [(first, 6, False)]
+    assert list(sched.waiting) == [second] and list(sched.running) == [first]
+    assert sched.block_manager.table(first.seqs[0]) == [0, 1, 2, 3]
+    assert sched.block_manager.device.ref_counts == [1, 1, 1, 1, 0, 0, 0, 0]
+    sched.block_manager.free(first.seqs[0])
+    first.seqs[0].finish_reason = "abort"
+    sched.remove_running([first])
+    out = sched.schedule()
+    assert [(s.group, s.num_new_tokens, s.do_sample) for s in out.scheduled] == \
+        [(second, 6, False)]
+    assert sched.block_manager.table(second.seqs[0]) == [0, 1, 2]  # freed blocks, ascending
+    assert out.num_batched_tokens == 6 and not sched.waiting
+
+
+def test_remove_running_keeps_the_order_of_the_rest():
+    sched = make()
+    groups = [add(sched, 2, float(t)) for t in range(20)]
+    sched.schedule()
+    sched.remove_running([groups[3]])
+    sched.remove_running(groups[10:19])  # more than a few: one pass
+    assert list(sched.running) == groups[:3] + groups[4:10] + groups[19:]
