@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import logging
 import os
 import re
@@ -115,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, seed=args.seed,
         num_threads=args.num_threads, output_kind="delta"))
     worker = Worker(engine, cfg, metrics_server=metrics_server)
+    # The hundreds of thousands of objects torch and transformers leave behind at start-up are
+    # never garbage: keep them out of every later collection (a full one took ~200 ms; vLLM
+    # freezes its heap the same way).
+    gc.collect()
+    gc.freeze()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         worker.request_stop()
