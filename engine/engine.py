@@ -91,6 +91,13 @@ class Engine:
             self._reject(group, f"the prompt has {len(token_ids)} tokens but max_model_len is "
                                 f"{self.max_model_len}: it leaves no room to generate; shorten it")
             return
+        width = params.best_of or params.n
+        if width > self.config.max_num_seqs:  # it could never be scheduled: say so, don't wait
+            what = "the beam width (best_of)" if params.use_beam_search else "best_of"
+            self._reject(group, f"the request runs {width} sequences ({what}) but max_num_seqs "
+                                f"is {self.config.max_num_seqs}; lower n/best_of or raise "
+                                "max_num_seqs")
+            return
         self.scheduler.add(group)
 
     def abort(self, request_id: str) -> bool:

@@ -143,6 +143,8 @@ class Writer(threading.Thread):
             except redis.ResponseError as exc:  # e.g. NOGROUP after Redis lost its data
                 log.error("redis refused a write (%s); dropping it", exc)
                 for fin in batch.finishes:
+                    if fin.reply_key is not None:
+                        self._ttl_set_at.pop(fin.reply_key, None)
                     self.finished.put(fin.entry_id)
                 return
             time.sleep(backoff)

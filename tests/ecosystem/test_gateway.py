@@ -339,3 +339,25 @@ def test_when_one_prompt_of_several_fails_the_others_are_cancelled(
         assert "10000000" in resp.json()["error"]["message"]  # the bad token id is named
 
     cancels_published(server, "pair-0", fail)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_text_no_tokens_event_carried_is_sent_with_the_finish(chat: bool) -> None:
+    # A request the engine ends itself (it outgrew the KV cache) releases the text it held back
+    # for a stop string only in the done event: the stream must still add up to the done text.
+    from producer import openai_schema as oa
+    from producer.openai_choices import Choices
+    from producer.protocol import done_event, tokens_event
+
+    req = (oa.ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}])
+           if chat else oa.CompletionRequest(model="tiny", prompt="hi"))
+    shaper = Choices(req, chat, "cmpl-1", 0, ["hi"])
+    events = [tokens_event(1, 0, 0, [5], "ab"), tokens_event(1, 0, 1, [6], "c"),
+              done_event(1, [{"index": 0, "token_ids": [5, 6], "text": "abcde",
+                              "finish_reason": "length"}], {}, {})]
+    chunks = [c for e in events for c in shaper.sse_payloads(e)]
+    key = "delta" if chat else None
+    texts = [(c["choices"][0][key].get("content") if key else c["choices"][0]["text"]) or ""
+             for c in chunks]
+    assert texts == ["ab", "c", "de"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]

@@ -82,3 +82,20 @@ def test_duplicate_request_id_is_refused(tiny_llama):
 def test_invalid_engine_config_names_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", **{field: value})
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, seed=1, n=3, best_of=5, max_tokens=4),
+    SamplingParams(temperature=0, use_beam_search=True, best_of=5, max_tokens=4),
+], ids=["best_of", "beam"])
+def test_more_sequences_than_max_num_seqs_errors_and_others_complete(tiny_llama, make_llm,
+                                                                     params):
+    llm = make_llm(tiny_llama, max_num_seqs=4)
+    good = random_prompts(2, seed=7, lo=4, hi=8)
+    outs = llm.generate([good[0], good[1], good[0]], [GREEDY, params, GREEDY], use_tqdm=False)
+    assert [c.finish_reason for c in outs[1].outputs] == ["error"]
+    what = "the beam width (best_of)" if params.use_beam_search else "best_of"
+    assert outs[1].error == (f"the request runs 5 sequences ({what}) but max_num_seqs is 4; "
+                             "lower n/best_of or raise max_num_seqs")
+    expected = hf_greedy(tiny_llama, good[:1], 8)[0]
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids == expected
