@@ -343,6 +343,9 @@ def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProc
     assert out.returncode == 0, out.stderr
     done = json.loads(out.stdout)
     assert (done["type"], len(done["outputs"][0]["token_ids"])) == ("done", 4)
+    live = genq("submit", "the quick", "--model", "tiny", "--max-tokens", "4", "--temperature",
+                "0", "--redis", server.url)
+    assert live.returncode == 0 and live.stdout == done["outputs"][0]["text"] + "\n"
     bad = genq("submit", "x", "--model", "tiny", "--job-id", "a b", "--redis", server.url)
     assert bad.returncode == 2 and "job id" in bad.stderr
     status = json.loads(genq("status", "--json", "--redis", server.url).stdout)
