@@ -20,7 +20,7 @@ from engine.detokenizer import decode_delta, decode_output, find_stop, init_offs
 from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
 from engine.models.loader import DTYPES, load_config, load_model, load_tokenizer, max_positions
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput, request_output
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -277,37 +277,7 @@ class Engine:
         self._groups.pop(group.request_id, None)
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
-        params = group.params
-        finished = group.status is SequenceStatus.FINISHED
-        ranked = params.best_of != params.n or params.use_beam_search
-        if self.delta_outputs and not ranked:
-            outputs = []
-            for s in group.seqs:
-                out = _delta(s, params, finished)
-                if out is not None:
-                    outputs.append(out)
-        else:
-            seqs = group.seqs
-            if ranked and not finished:
-                seqs = []  # best_of > n and beam search pick their n outputs only at the end
-            elif params.use_beam_search:
-                seqs = beam_search.best(seqs, params, params.n)
-            elif ranked:
-                seqs = sorted(seqs, key=lambda s: -s.ranking_logprob)[: params.n]
-            outputs = [CompletionOutput(i if ranked else s.index,
-                                        s.output_token_ids, s.output_text, s.finish_reason,
-                                        s.cumulative_logprob,
-                                        list(s.output_logprobs) if params.logprobs is not None
-                                        else None, s.stop_reason)
-                       for i, s in enumerate(seqs)]
-        metrics = {"arrival_time": group.arrival_time,
-                   "num_preemptions": float(group.num_preemptions)}
-        if group.first_token_time is not None:
-            metrics["time_to_first_token"] = group.first_token_time - group.arrival_time
-        if group.finished_time is not None:
-            metrics["latency"] = group.finished_time - group.arrival_time
-        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, finished,
-                             group.error, metrics)
+        return request_output(group, self.delta_outputs)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -330,32 +300,6 @@ class Engine:
             seq.finish_reason = "error"
         group.error = message
         self._rejected.append(group)
-
-
-def _delta(seq: Sequence, params: SamplingParams, request_done: bool) -> CompletionOutput | None:
-    """What `seq` has not handed out yet (None when nothing, unless the request ends: its last
-    output names every sequence). Text a stop string could still cut stays back until then."""
-    ids = seq.token_ids
-    num_prompt = seq.num_prompt_tokens
-    start = num_prompt + seq.num_emitted_tokens
-    text = seq.output_text
-    emitted_chars = seq.num_emitted_chars
-    end = len(text)
-    if params.stop and seq.finish_reason is None:
-        end -= max(len(stop) for stop in params.stop) - 1
-    if end > emitted_chars:
-        new_text = text[emitted_chars:end]
-        seq.num_emitted_chars = end
-    elif start == len(ids) and not request_done:
-        return None
-    else:
-        new_text = ""
-    seq.num_emitted_tokens = len(ids) - num_prompt
-    return CompletionOutput(seq.index, ids[start:], new_text, seq.finish_reason,
-                            seq.cumulative_logprob,
-                            None if params.logprobs is None
-                            else seq.output_logprobs[start - num_prompt:],
-                            seq.stop_reason)
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
