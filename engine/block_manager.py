@@ -101,13 +101,14 @@ class BlockManager:
         return sum(self.blocks_for(s.num_tokens) for s in group.live_seqs())
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        return self._fit(self.blocks_to_allocate(group))
+        return self.fit(self.blocks_to_allocate(group))
 
     def allocate(self, group: SequenceGroup) -> None:
         for seq in group.live_seqs():
             self.tables[seq.seq_id] = self.device.allocate_many(self.blocks_for(seq.num_tokens))
 
-    def _fit(self, needed: int) -> AllocStatus:
+    def fit(self, needed: int) -> AllocStatus:
+        """Whether `needed` fresh device blocks fit: now, later, or never (the watermark kept)."""
         if needed > self.num_total_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.device.num_free - needed >= self.watermark_blocks:
@@ -179,7 +180,7 @@ class BlockManager:
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         held = {b for s in group.live_seqs() for b in self.host_tables.get(s.seq_id, ())}
         # One spare block per sequence so the step after the swap-in can append.
-        return self._fit(len(held) + len(group.live_seqs()))
+        return self.fit(len(held) + len(group.live_seqs()))
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's blocks back to the device; returns (host, device) pairs to copy."""

@@ -194,10 +194,9 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         bm = self.block_manager
-        device, tables, bs = bm.device, bm.tables, bm.block_size
+        device, tables = bm.device, bm.tables
         chunked = self.config.enable_chunked_prefill
         max_tokens = self.config.max_num_batched_tokens
-        max_blocks = bm.num_total_blocks - bm.watermark_blocks
         waiting, running, scheduled = self.waiting, self.running, out.scheduled
         while waiting:
             group = waiting[0]
@@ -208,13 +207,13 @@ class Scheduler:
                 seq = seqs[0]
                 num_tokens = len(seq.token_ids)
                 remaining = num_tokens - seq.num_computed_tokens
-                num_blocks = -(-num_tokens // bs)
-                if (chunked or remaining <= max_tokens) and num_blocks <= max_blocks:
+                num_blocks = bm.blocks_for(num_tokens)
+                fit = bm.fit(num_blocks)
+                if (chunked or remaining <= max_tokens) and fit is not AllocStatus.NEVER:
                     left = budget.tokens
                     take = min(remaining, left) if chunked else remaining
-                    if device.num_free - num_blocks < bm.watermark_blocks or budget.seqs < 1 \
-                            or take == 0 or take > left:
-                        break  # LATER, or no budget left this step
+                    if fit is AllocStatus.LATER or budget.seqs < 1 or take == 0 or take > left:
+                        break  # no room in the cache, or no budget left this step
                     waiting.popleft()
                     # Fresh blocks for the whole prompt: no copy-on-write, nothing to append.
                     tables[seq.seq_id] = device.allocate_many(num_blocks)

@@ -98,18 +98,16 @@ def submit_main(argv: list[str]) -> int:
             print(f"genq submit: {exc}", file=sys.stderr)
             return 2
         live = not args.json and params.get("n", 1) == 1
-        shown: list[str] = []  # the text printed live
         try:
             for event in job.stream(timeout=args.timeout):
                 if live and event["type"] == "tokens":
                     print(event["text"], end="", flush=True)
-                    shown.append(event["text"])
                 elif live and event["type"] == "restart":
                     print(f"\n[restart: {event['reason']}]", flush=True)
                 elif event["type"] == "error":
                     raise JobError(job.id, event["code"], event["message"])
                 elif event["type"] == "done":
-                    _print_done(event, args.json, live, "".join(shown))
+                    _print_done(event, args.json, live)
         except JobError as exc:
             print(f"\ngenq submit: {exc}", file=sys.stderr)
             return 1
@@ -147,14 +145,12 @@ def load_messages(value: str) -> Any:
     return messages
 
 
-def _print_done(event: dict[str, Any], as_json: bool, live: bool, shown: str) -> None:
+def _print_done(event: dict[str, Any], as_json: bool, live: bool) -> None:
     if as_json:
         print(json.dumps(event, ensure_ascii=False))
         return
     if live:
-        text = event["outputs"][0]["text"] if event["outputs"] else ""
-        # Text no tokens event carried (held back for a stop string until the end) comes last.
-        print(text[len(shown):] if text.startswith(shown) else "")
+        print()
     else:
         for out in event["outputs"]:
             print(f"[{out['index']}] {out['text']}")

@@ -34,7 +34,6 @@ class Choices:
         self.echoes = [p if echo and isinstance(p, str) else "" for p in prompts] or [""]
         self.started: set[int] = set()  # streamed choices that had their first chunk
         self.offsets: dict[int, int] = {}  # streamed choice -> text offset of its next token
-        self.streamed: dict[int, list[str]] = {}  # streamed choice -> the text sent so far
 
     def _logprobs(self, rows: list[Any] | None, offset: int) -> tuple[dict[str, Any] | None, int]:
         if self.k is None or rows is None:
@@ -65,24 +64,16 @@ class Choices:
         return oa.chunk(self.response_id, self.req.model, self.created, index, text, reason,
                         self.chat, first, logprobs)
 
-    def _rest(self, out: dict[str, Any]) -> str | None:
-        """Text of a streamed choice that no tokens event carried (the worker holds back text a
-        stop string might still cut; a request the engine ends itself releases it at the end)."""
-        sent = "".join(self.streamed.get(out["index"], []))
-        text = out["text"]
-        return text[len(sent):] or None if text.startswith(sent) else None
-
     def sse_payloads(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         """The SSE data objects one genq event becomes (restart and started become none)."""
         kind = event["type"]
         if kind == "tokens":
-            self.streamed.setdefault(event["index"], []).append(event["text"])
             return [self._chunk(event["index"], event["text"], None, event.get("logprobs"))]
         if kind == "done":  # a sequence never streamed (beam search, best_of > n) comes whole
             out = []
             for o in event["outputs"]:
                 whole = o["index"] not in self.started
-                out.append(self._chunk(o["index"], o["text"] if whole else self._rest(o),
+                out.append(self._chunk(o["index"], o["text"] if whole else None,
                                        o["finish_reason"], o.get("logprobs") if whole else None))
             if self.req.include_usage:
                 u = event["usage"]

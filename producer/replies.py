@@ -6,6 +6,8 @@ Rules (shared by Client and AsyncClient):
   already delivered are swallowed and only the new suffix is yielded;
 - if a replay diverges from what was delivered (it should not: greedy and seeded sampling are
   deterministic), a `restart` event comes first and the new attempt's tokens follow from pos 0;
+- text of a streamed sequence that only the done event carries comes first as a tokens chunk
+  without tokens, so the streamed text adds up to the done text;
 - the first terminal event (done or error) of the newest attempt ends the stream.
 """
 
@@ -37,8 +39,11 @@ class ReplyDeduper:
         if kind == "tokens":
             return self._tokens(event)
         out: list[dict[str, Any]] = []
-        if kind == "done" and self._diverged_outputs(event["outputs"]):
-            out.append(self._restart("the final output differs from the tokens already streamed"))
+        if kind == "done":
+            if self._diverged_outputs(event["outputs"]):
+                out.append(self._restart("the final output differs from the tokens already "
+                                         "streamed"))
+            out += self._text_tails(event)
         if kind in TERMINAL_EVENT_TYPES:
             self.finished = True
             self.terminal = event
@@ -85,6 +90,22 @@ class ReplyDeduper:
             chunk["logprobs"] = event["logprobs"][len(event["logprobs"]) - len(chunk["token_ids"]):]
         self._delivered[index] = self._current[index]  # the same state: in step again
         return [chunk]
+
+    def _text_tails(self, done: dict[str, Any]) -> list[dict[str, Any]]:
+        """A streamed sequence's text that no tokens event carried (the worker holds back text
+        a stop string may still cut; a request the engine ends itself releases it only in the
+        done event): one last chunk without tokens, so the streamed text adds up to the done
+        text."""
+        tails = []
+        for out in done["outputs"]:
+            index = out["index"]
+            if index not in self._delivered:
+                continue  # never streamed: the done event has it whole
+            ids, text = self._delivered[index]
+            if len(out["text"]) > len(text) and out["text"].startswith(text):
+                tails.append(self._chunk(done, index, len(ids), [], out["text"][len(text):]))
+                self._delivered[index] = (ids, out["text"])
+        return tails
 
     def _diverged_outputs(self, outputs: list[dict[str, Any]]) -> bool:
         for out in outputs:

@@ -166,9 +166,7 @@ class Writer(threading.Thread):
         refreshed: list[str] = []  # reply keys whose TTL this write sets
         stale = now - self.reply_ttl / 4
         ttl_at = self._ttl_set_at
-        chunks = [events] if num_events <= self.max_events_per_call else \
-            _chunks(events, self.max_events_per_call)
-        for chunk in chunks:
+        for chunk in _chunks(events, num_events, self.max_events_per_call):
             keys = [self.jobs_key]
             index: list[Any] = []
             blobs: list[bytes] = []
@@ -262,7 +260,11 @@ def coalesce(writes: list[EventWrite]) -> list[EventWrite]:
     return list(merged.values())
 
 
-def _chunks(items: list[EventWrite], max_events: int) -> list[list[EventWrite]]:
+def _chunks(items: list[EventWrite], num_events: int,
+            max_events: int) -> list[list[EventWrite]]:
+    """`items` in runs of at most `max_events` events (`num_events` in all)."""
+    if num_events <= max_events:
+        return [items] if items else []
     chunks: list[list[EventWrite]] = []
     current: list[EventWrite] = []
     count = 0

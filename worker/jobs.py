@@ -35,10 +35,6 @@ class ActiveJob:
     def job_id(self) -> str:
         return self.spec.id
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(ids) for ids in self.token_ids.values())
-
 
 def token_events(job: ActiveJob, output: RequestOutput) -> tuple[list[dict[str, Any]], int]:
     """Take in one delta output: the tokens events for it (none when the job does not stream)

@@ -257,8 +257,8 @@ class Worker:
             if new_tokens:
                 step_tokens += new_tokens
                 previous = last_at.get(job.entry_id)
-                if not had_first:
-                    m.ttft.observe(time.time() - job.admitted_at)
+                if not had_first and job.first_token_at is not None:
+                    m.ttft.observe(job.first_token_at - job.admitted_at)
                 elif previous is not None:
                     intervals[previous] = intervals.get(previous, 0) + 1
                 last_at[job.entry_id] = now

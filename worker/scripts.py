@@ -157,7 +157,7 @@ class Scripts:
 
     def load(self) -> None:
         for script in (self.write_events, self.finish, self.reclaim):
-            script.sha = self.conn.script_load(script.script)
+            self.conn.script_load(script.script)  # its sha is the script's digest: unchanged
 
 
 def flatten_fields(fields: dict[str, bytes] | dict[bytes, bytes]) -> list[Any]:

@@ -58,14 +58,6 @@ class RotaryEmbedding(nn.Module):
 
     cos_sin: torch.Tensor  # [max_positions, 2, head_dim]
 
-    @property
-    def cos(self) -> torch.Tensor:
-        return self.cos_sin[:, 0]
-
-    @property
-    def sin(self) -> torch.Tensor:
-        return self.cos_sin[:, 1]
-
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # cos, sin: [num_tokens, 1, head_dim], broadcast over heads.
         cos, sin = self.cos_sin.index_select(0, positions).split(1, dim=1)

@@ -58,7 +58,7 @@ def _rebuild_buffers(model: nn.Module, config: Any, max_len: int, device: torch.
 
     for name, module in list(model.named_modules()):
         if isinstance(module, RotaryEmbedding):
-            head_dim = int(module.cos.shape[-1])
+            head_dim = int(module.cos_sin.shape[-1])
             fresh = RotaryEmbedding(config, head_dim, max_len).to(device)
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             setattr(parent, name.rsplit(".", 1)[-1], fresh)

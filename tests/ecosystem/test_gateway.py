@@ -348,6 +348,7 @@ def test_text_no_tokens_event_carried_is_sent_with_the_finish(chat: bool) -> Non
     from producer import openai_schema as oa
     from producer.openai_choices import Choices
     from producer.protocol import done_event, tokens_event
+    from producer.replies import ReplyDeduper
 
     req = (oa.ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}])
            if chat else oa.CompletionRequest(model="tiny", prompt="hi"))
@@ -355,9 +356,10 @@ def test_text_no_tokens_event_carried_is_sent_with_the_finish(chat: bool) -> Non
     events = [tokens_event(1, 0, 0, [5], "ab"), tokens_event(1, 0, 1, [6], "c"),
               done_event(1, [{"index": 0, "token_ids": [5, 6], "text": "abcde",
                               "finish_reason": "length"}], {}, {})]
-    chunks = [c for e in events for c in shaper.sse_payloads(e)]
+    dedupe = ReplyDeduper()  # the gateway's path: reply stream -> deduper -> SSE chunks
+    chunks = [c for e in events for d in dedupe.feed(e) for c in shaper.sse_payloads(d)]
     key = "delta" if chat else None
     texts = [(c["choices"][0][key].get("content") if key else c["choices"][0]["text"]) or ""
              for c in chunks]
-    assert texts == ["ab", "c", "de"]
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert texts == ["ab", "c", "de", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]

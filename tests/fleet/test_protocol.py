@@ -231,6 +231,18 @@ def test_producer_never_imports_torch_or_engine() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_text_only_the_done_event_carries_comes_as_a_last_chunk_without_tokens() -> None:
+    done = done_event(1, [{"index": 0, "token_ids": [1, 2], "text": "abcd"},
+                          {"index": 1, "token_ids": [3], "text": "x"},
+                          {"index": 2, "token_ids": [4], "text": "never streamed"}], {}, {})
+    seen = feed_all([tok(1, 0, [1], "a"), tok(1, 1, [2], "b"), tok(1, 0, [3], "x", index=1),
+                     done])
+    assert [(e["type"], e.get("index"), e.get("pos"), e.get("token_ids"), e.get("text"))
+            for e in seen] == [("tokens", 0, 0, [1], "a"), ("tokens", 0, 1, [2], "b"),
+                               ("tokens", 1, 0, [3], "x"), ("tokens", 0, 2, [], "cd"),
+                               ("done", None, None, None, None)]
+
+
 class _PlainDeduper(ReplyDeduper):
     """The deduper's rules with no fast path (every event through the general algorithm)."""
 
