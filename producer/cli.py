@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+import redis
+
 from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, decode_heartbeat
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -97,6 +99,9 @@ def submit_main(argv: list[str]) -> int:
         except ProtocolError as exc:
             print(f"genq submit: {exc}", file=sys.stderr)
             return 2
+        unserved = _unserved_warning(client, args.model)
+        if unserved:
+            print(f"genq submit: {unserved}", file=sys.stderr)
         live = not args.json and params.get("n", 1) == 1
         try:
             for event in job.stream(timeout=args.timeout):
@@ -116,9 +121,24 @@ def submit_main(argv: list[str]) -> int:
             print(f"\ngenq submit: cancelled job {job.id}", file=sys.stderr)
             return 130
         except TimeoutError as exc:
-            print(f"\ngenq submit: {exc}", file=sys.stderr)
+            hint = f" ({unserved})" if unserved else ""
+            print(f"\ngenq submit: {exc}{hint}", file=sys.stderr)
             return 1
     return 0
+
+
+def _unserved_warning(client: Any, model: str) -> str | None:
+    """A note when no live worker serves `model` (the job waits for one; it is not refused,
+    since a worker may be starting), naming the models live workers do serve."""
+    try:
+        served = {w["model"] for w in worker_rows(client.redis, client.keys)}
+    except redis.RedisError:
+        return None
+    if model in served:
+        return None
+    known = ", ".join(sorted(str(m) for m in served)) or "none"
+    return (f"no live worker serves {model!r} (live workers serve: {known}); the job waits in "
+            "its queue until one starts")
 
 
 def load_messages(value: str) -> Any:
@@ -189,7 +209,9 @@ def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
         groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
                   for g in conn.xinfo_groups(key)}
         group = groups.get(keys.group, {})
-        rows.append({"model": model, "length": conn.xlen(key), "lag": group.get("lag"),
+        length = conn.xlen(key)
+        rows.append({"model": model, "length": length,
+                     "lag": group.get("lag") if group else length,  # no reader yet: all of it
                      "pending": group.get("pending", 0), "dead": conn.xlen(keys.dead(model)),
                      "consumers": group.get("consumers", 0)})
     return rows

@@ -85,10 +85,11 @@ class Gateway:
     # ------------------------------------------------------------------ submission
 
     async def submit(self, request: Request, model: str, prompts: list[str | list[int]],
-                     params: dict[str, Any],
-                     messages: list[dict[str, str]] | None = None) -> list[str]:
+                     params: dict[str, Any], messages: list[dict[str, str]] | None = None,
+                     stream: bool = True) -> list[str]:
         """Check everything a producer can, then enqueue one job per prompt -> job ids. A chat
-        (`messages`, prompts empty) is one job; the worker applies the model's chat template."""
+        (`messages`, prompts empty) is one job; the worker applies the model's chat template.
+        Without `stream` the worker writes no tokens events (the answer needs only the end)."""
         await self.fleet.require_model(model, self.cfg.max_queue_depth)
         base = request.headers.get(JOB_ID_HEADER) or uuid.uuid4().hex
         inputs: list[tuple[str | list[int] | None, list[dict[str, str]] | None]] = (
@@ -98,7 +99,7 @@ class Gateway:
         for job_id, (prompt, chat) in zip(ids, inputs, strict=True):
             self._keep(job_id)
             try:
-                spec = make_job_spec(prompt, params, model, job_id, deadline, True, chat)
+                spec = make_job_spec(prompt, params, model, job_id, deadline, stream, chat)
                 check_limits(spec, self.cfg.limits)
             except ProtocolError as exc:
                 raise GatewayError(400, exc.message, code=exc.code) from None
@@ -137,7 +138,7 @@ class Gateway:
             raise GatewayError(400, "stream: true takes one prompt; send one request per prompt",
                                param="prompt")
         messages = req.wire_messages() if isinstance(req, oa.ChatCompletionRequest) else None
-        ids = await self.submit(request, req.model, prompts, params, messages)
+        ids = await self.submit(request, req.model, prompts, params, messages, bool(req.stream))
         prefix = "chatcmpl-" if chat else "cmpl-"
         headers = {JOB_ID_HEADER: ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]}
         if req.stream:

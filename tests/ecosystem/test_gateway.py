@@ -88,6 +88,28 @@ def test_greedy_completion_equals_the_offline_engine(client: openai.OpenAI,
     assert resp.object == "text_completion" and resp.model == "tiny"
 
 
+def test_only_streamed_requests_have_tokens_events_written(
+        fleet: tuple[RedisServer, GatewayProcess], offline: Oracle) -> None:
+    """A plain request's answer needs only the done event: its job does not stream, so the
+    worker writes no tokens events for it; a streamed request's job does."""
+    server, gateway = fleet
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    resp = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    [(text, _, num_tokens)] = offline(PROMPT, {"max_tokens": 8, "temperature": 0})
+    assert resp.json()["choices"][0]["text"] == text
+    events = reply_events(server, resp.headers["Genq-Job-Id"])
+    assert [e["type"] for e in events] == ["started", "done"]
+    assert len(events[-1]["outputs"][0]["token_ids"]) == num_tokens
+    streamed = sse(gateway, body, headers={"Genq-Job-Id": "gw-streamed-tokens"})
+    assert "".join(d["choices"][0]["text"] for _, d in streamed
+                   if d != "[DONE]" and d["choices"]) == text
+    kinds = [e["type"] for e in reply_events(server, "gw-streamed-tokens")]
+    assert kinds[0] == "started" and kinds[-1] == "done"
+    assert sum(len(e["token_ids"]) for e in reply_events(server, "gw-streamed-tokens")
+               if e["type"] == "tokens") == num_tokens
+
+
 def test_streamed_completion_concatenates_to_the_offline_text(client: openai.OpenAI,
                                                               offline: Oracle) -> None:
     stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,

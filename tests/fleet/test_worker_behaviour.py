@@ -354,6 +354,13 @@ def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProc
         ("solo", "tiny", 4)]
     table = genq("status", "--redis", server.url).stdout
     assert "solo" in table and "heartbeat_age_s" in table
+    # A model no live worker serves: the job waits (it is not refused), and the CLI says why.
+    lost = genq("submit", "x", "--model", "nobody", "--timeout", "0.5", "--redis", server.url)
+    warning = "no live worker serves 'nobody' (live workers serve: tiny)"
+    assert lost.returncode == 1 and lost.stderr.count(warning) == 2, lost.stderr
+    status = json.loads(genq("status", "--json", "--redis", server.url).stdout)
+    assert [(q["model"], q["length"], q["lag"], q["consumers"]) for q in status["queues"]] == [
+        ("nobody", 1, 1, 0), ("tiny", 0, 0, 1)]
 
 
 def test_no_genq_key_outlives_its_ttl(server: RedisServer, worker: WorkerProcess) -> None:
