@@ -85,7 +85,9 @@ class Worker:
         self.stop_requested.set()
 
     def run(self) -> int:
-        self.reader.ensure_group(wait=True)
+        if not self.reader.ensure_group(wait=True, stop=self.stop_requested):
+            log.info("worker %s stopped before Redis answered; it held no jobs", self.me)
+            return 0
         self._stats = self.engine.stats()
         if self.cfg.metrics_port:
             if self.metrics_server is None:

@@ -109,12 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     from engine.engine import Engine
     from worker.loop import Worker
 
-    engine = Engine(EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        preemption_mode=args.preemption_mode, swap_space=args.swap_space, seed=args.seed,
-        num_threads=args.num_threads, output_kind="delta"))
+    try:
+        engine = Engine(EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
+            swap_space=args.swap_space, seed=args.seed, num_threads=args.num_threads,
+            output_kind="delta"))
+    except (ValueError, OSError) as exc:  # a wrong path, an unsupported model, a bad option
+        print(f"genq worker: cannot load {args.model!r}: {exc}", file=sys.stderr)
+        return 2
     worker = Worker(engine, cfg, metrics_server=metrics_server)
     # The hundreds of thousands of objects torch and transformers leave behind at start-up are
     # never garbage: keep them out of every later collection (a full one took ~200 ms; vLLM

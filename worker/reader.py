@@ -9,6 +9,7 @@ re-created from id 0 so no entry already in the stream is skipped.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -118,22 +119,27 @@ class JobReader:
             return []
         return [(_text(eid), _pairs(flat), int(n)) for eid, flat, n in claimed]
 
-    def ensure_group(self, wait: bool) -> None:
+    def ensure_group(self, wait: bool, stop: threading.Event | None = None) -> bool:
+        """Create the consumer group if it is missing. With `wait`, retry until Redis answers
+        or `stop` is set; False when it gave up (Redis unreachable)."""
         backoff = 0.05
         while True:
             try:
                 self.conn.xgroup_create(self.jobs_key, self.keys.group, id="0", mkstream=True)
                 self.conn.expire(self.jobs_key, self.cfg.stream_ttl)
-                return
+                return True
             except redis.ResponseError as exc:
                 if "BUSYGROUP" in str(exc):
-                    return
+                    return True
                 raise
             except RETRYABLE as exc:
                 if not wait:
-                    return
+                    return False
                 log.warning("waiting for Redis: %s", exc)
-                time.sleep(backoff)
+                if stop is None:
+                    time.sleep(backoff)
+                elif stop.wait(backoff):
+                    return False
                 backoff = min(backoff * 2, 2.0)
 
 

@@ -1,0 +1,31 @@
+"""`genq worker` before it serves: a model it cannot load and a Redis it cannot reach end in a
+line a person can act on, never a traceback or a process that ignores SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from tests.fleet.harness import RedisServer, WorkerFactory, free_port, wait_for
+
+
+def test_a_directory_without_a_model_stops_the_worker_with_one_line(
+        redis_server: RedisServer, workers: WorkerFactory, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    proc = workers.start(redis_server.url, missing, "nomodel")
+    assert proc.proc.wait(timeout=120) == 2
+    assert proc.output() == (
+        f"genq worker: cannot load '{missing}': '{missing}' is not a Hugging Face model "
+        "directory (no config.json)\n")
+    assert redis_server.client().keys("genq:*") == []
+
+
+def test_sigterm_stops_a_worker_still_waiting_for_redis(workers: WorkerFactory,
+                                                        tiny_llama: Path) -> None:
+    nobody = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    proc = workers.start(nobody, tiny_llama, "orphan")
+    wait_for(lambda: "waiting for Redis" in proc.output(), timeout=120, interval=0.2,
+             what="the worker to wait for Redis")
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.proc.wait(timeout=15) == 0
+    assert "worker orphan stopped before Redis answered; it held no jobs" in proc.output()
