@@ -40,7 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name = COMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(rest) or 0)
+    try:
+        return int(func(rest) or 0)
+    except redis.AuthenticationError as exc:  # one line, not a traceback
+        print(f"genq {name}: Redis refused the credentials in the URL: {exc}", file=sys.stderr)
+        return 1
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        print(f"genq {name}: cannot reach Redis ({exc}); is redis-server running at the URL "
+              "given by --redis / GENQ_REDIS?", file=sys.stderr)
+        return 1
 
 
 def _usage() -> str:

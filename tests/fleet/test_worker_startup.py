@@ -1,12 +1,17 @@
-"""`genq worker` before it serves: a model it cannot load and a Redis it cannot reach end in a
-line a person can act on, never a traceback or a process that ignores SIGTERM."""
+"""`genq worker` (and the other commands) before it serves: a model it cannot load and a Redis
+it cannot reach end in a line a person can act on, never a traceback or a process that ignores
+SIGTERM."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.fleet.harness import RedisServer, WorkerFactory, free_port, wait_for
+import pytest
+
+from tests.fleet.harness import REPO, RedisServer, WorkerFactory, free_port, wait_for
 
 
 def test_a_directory_without_a_model_stops_the_worker_with_one_line(
@@ -29,3 +34,17 @@ def test_sigterm_stops_a_worker_still_waiting_for_redis(workers: WorkerFactory,
     proc.proc.send_signal(signal.SIGTERM)
     assert proc.proc.wait(timeout=15) == 0
     assert "worker orphan stopped before Redis answered; it held no jobs" in proc.output()
+
+
+@pytest.mark.parametrize("command", [["submit", "hi", "--model", "m"], ["status"],
+                                     ["bench", "--model", "m"]])
+def test_a_command_that_cannot_reach_redis_says_so_in_one_line(command: list[str]) -> None:
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "producer.cli", *command, "--redis",
+                          f"redis://127.0.0.1:{port}/0"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr == (
+        f"genq {command[0]}: cannot reach Redis (Error 111 connecting to 127.0.0.1:{port}. "
+        "Connection refused.); is redis-server running at the URL given by --redis / "
+        "GENQ_REDIS?\n")
