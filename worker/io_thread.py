@@ -88,10 +88,13 @@ class Writer(threading.Thread):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is written; False if `timeout` ran out."""
         end = None if timeout is None else time.monotonic() + timeout
-        while self._queue.unfinished_tasks and self.error is None:
-            if end is not None and time.monotonic() > end:
-                return False
-            time.sleep(0.002)
+        done = self._queue.all_tasks_done  # notified by task_done() when the last task ends
+        with done:
+            while self._queue.unfinished_tasks and self.error is None:
+                left = 0.05 if end is None else end - time.monotonic()
+                if left <= 0:
+                    return False
+                done.wait(min(left, 0.05))  # bounded: a failed writer notifies nobody
         self.check()
         return True
 
