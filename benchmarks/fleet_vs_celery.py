@@ -10,7 +10,8 @@
     sequence's tokens of several steps in one entry); and the writer thread alone with 256 owned
     entries (the Redis-side ceiling of the fenced writes).
 
-    python -m benchmarks.fleet_vs_celery [--jobs 2000] [--rounds 3] [--model DIR] [--json out.json]
+    python -m benchmarks.fleet_vs_celery [--jobs 2000] [--rounds 3] [--model DIR | --minimal-model]
+                                         [--json out.json]
 
 Throughput in both cases is jobs / (last done - first submit). Rounds of (a) and (b) alternate,
 so both see the same machine; the ratio is reported per round. Nothing is asserted here.
@@ -183,13 +184,29 @@ def celery_round_trips(jobs: int) -> dict[str, Any]:
             "submit_to_done_ms": percentiles(to_done)}
 
 
-def tiny_model(tmp: Path) -> Path:
+def tiny_model(tmp: Path, minimal: bool = False) -> Path:
+    """The tests' tiny random Llama (2 layers, hidden 64); `minimal`: 1 layer, hidden 16, one
+    head, so the forward pass costs next to nothing and what is left is the fleet's own work."""
     from tests.tiny_models import build_model, build_tokenizer
 
     tok = tmp / "tokenizer"
     tok.mkdir()
     build_tokenizer(tok)
-    return build_model("llama", tmp / "tiny", tok)
+    path = build_model("llama", tmp / "tiny", tok)
+    if minimal:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(str(path))
+        cfg.update({"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+                    "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 16})
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():  # sharpened as build_model does, so greedy is not a coin toss
+            for p in model.parameters():
+                p.mul_(3.0) if p.dim() > 1 else None
+        model.save_pretrained(str(path))
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2000, help="jobs per round trip round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating genq/Celery rounds")
     parser.add_argument("--model", default=None, help="model dir (default: a tiny random Llama)")
+    parser.add_argument("--minimal-model", action="store_true",
+                        help="a 1-layer, 16-wide random Llama instead: the fleet's own ceiling")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="genq-bench-"))
@@ -209,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     try:
         wait_until(lambda: _ping(url), 10, "redis-server")
-        model = Path(args.model) if args.model else tiny_model(tmp)
+        model = Path(args.model) if args.model else tiny_model(tmp, args.minimal_model)
         client = start_genq(url, model, procs, tmp)
         has_celery = start_celery(url, procs, tmp)
         rounds: list[dict[str, Any]] = []
