@@ -220,14 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="genq-bench-"))
     procs: list[subprocess.Popen[bytes]] = []
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    procs.append(subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-         "127.0.0.1", "--dir", str(tmp), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     try:
-        wait_until(lambda: _ping(url), 10, "redis-server")
+        url = start_redis(tmp, procs)
         model = Path(args.model) if args.model else tiny_model(tmp, args.minimal_model)
         client = start_genq(url, model, procs, tmp)
         has_celery = start_celery(url, procs, tmp)
@@ -245,15 +239,33 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def start_redis(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> str:
+    """A throwaway redis-server on a free port (no persistence), appended to `procs`."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    procs.append(subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+         "127.0.0.1", "--dir", str(tmp), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    wait_until(lambda: _ping(url), 10, "redis-server")
+    return url
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process, newest first; kill what has not exited within 20 s."""
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _ping(url: str) -> bool:

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,10 +37,11 @@ import redis
 
 from benchmarks.fleet_vs_celery import (
     REPO,
-    _ping,
     free_port,
     percentiles,
     start_genq,
+    start_redis,
+    stop_all,
     tiny_model,
     wait_until,
 )
@@ -164,14 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="genq-gw-bench-"))
     procs: list[subprocess.Popen[bytes]] = []
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    procs.append(subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-         "127.0.0.1", "--dir", str(tmp), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     try:
-        wait_until(lambda: _ping(url), 10, "redis-server")
+        url = start_redis(tmp, procs)
         model = Path(args.model) if args.model else tiny_model(tmp)
         client = start_genq(url, model, procs, tmp)
         base = start_gateway(url, procs, tmp)
@@ -187,14 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
     finally:
-        for proc in reversed(procs):
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
