@@ -138,8 +138,16 @@ def submit_main(argv: list[str]) -> int:
 def _unserved_warning(client: Any, model: str) -> str | None:
     """A note when no live worker serves `model` (the job waits for one; it is not refused,
     since a worker may be starting), naming the models live workers do serve."""
+    conn, keys = client.redis, client.keys
     try:
-        served = {w["model"] for w in worker_rows(client.redis, client.keys)}
+        # Cheap first (no SCAN): does a consumer of the model's group have a live heartbeat?
+        try:
+            names = [c["name"] for c in conn.xinfo_consumers(keys.jobs(model), keys.group)]
+        except redis.ResponseError:  # no such stream or group yet
+            names = []
+        if names and conn.exists(*(keys.worker(_text(n)) for n in names)):
+            return None
+        served = {w["model"] for w in worker_rows(conn, keys)}
     except redis.RedisError:
         return None
     if model in served:
@@ -211,7 +219,8 @@ def status_main(argv: list[str]) -> int:
 
 def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
     rows = []
-    for raw in sorted(conn.scan_iter(match=f"{keys.jobs_prefix}*", _type="stream")):
+    for raw in sorted(conn.scan_iter(match=f"{keys.jobs_prefix}*", count=1000,
+                                     _type="stream")):
         key = raw.decode()
         model = key[len(keys.jobs_prefix):]
         groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
@@ -228,7 +237,7 @@ def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
 def worker_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
     rows = []
     now = time.time()
-    for raw in sorted(conn.scan_iter(match=f"{keys.worker_prefix}*")):
+    for raw in sorted(conn.scan_iter(match=f"{keys.worker_prefix}*", count=1000)):
         value = conn.get(raw)
         if value is None:
             continue
@@ -259,3 +268,7 @@ def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
