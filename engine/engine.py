@@ -98,6 +98,12 @@ class Engine:
                                 f"is {self.config.max_num_seqs}; lower n/best_of or raise "
                                 "max_num_seqs")
             return
+        if params.use_beam_search and width > self.config.max_num_batched_tokens:
+            self._reject(group, f"beam search advances its {width} beams together, one token "
+                                f"each per step, but max_num_batched_tokens is "
+                                f"{self.config.max_num_batched_tokens}; lower best_of or raise "
+                                "max_num_batched_tokens")
+            return
         self.scheduler.add(group)
 
     def abort(self, request_id: str) -> bool:

@@ -261,11 +261,16 @@ class Scheduler:
         if num_seqs > budget.seqs:
             return []
         left = budget.tokens
-        if group.params.use_beam_search:  # beams advance together, each by its whole remainder
-            plan = [ScheduledSeq(group, s, s.num_tokens - s.num_computed_tokens, True)
-                    for s in seqs]
-            return plan if sum(p.num_new_tokens for p in plan) <= left else []
         plan = []
+        if group.params.use_beam_search:  # beams sample together: each runs its whole remainder
+            rest = [s.num_tokens - s.num_computed_tokens for s in seqs]
+            if sum(rest) <= left:
+                return [ScheduledSeq(group, s, r, True) for s, r in zip(seqs, rest)]
+            for seq, r in zip(seqs, rest):  # or prefill chunks that keep one token each back
+                if self.config.enable_chunked_prefill and left and r > 1:
+                    plan.append(ScheduledSeq(group, seq, min(r - 1, left), False))
+                    left -= plan[-1].num_new_tokens
+            return plan
         for seq in seqs:
             remaining = seq.num_tokens - seq.num_computed_tokens
             take = min(remaining, left) if self.config.enable_chunked_prefill else remaining
@@ -278,10 +283,11 @@ class Scheduler:
     def _never_fits_budget(self, group: SequenceGroup) -> bool:
         """Without chunked prefill a sequence longer than the token budget can never run."""
         remaining = [s.num_tokens - s.num_computed_tokens for s in group.live_seqs()]
+        if self.config.enable_chunked_prefill:
+            return False  # (beam width over the budget: refused by Engine.add_request)
         if group.params.use_beam_search:
             return sum(remaining) > self.config.max_num_batched_tokens
-        return not self.config.enable_chunked_prefill and any(
-            r > self.config.max_num_batched_tokens for r in remaining)
+        return any(r > self.config.max_num_batched_tokens for r in remaining)
 
     def _commit(self, group: SequenceGroup, plan: list[ScheduledSeq], out: SchedulerOutput,
                 budget: _Budget) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
-from tests.engine.conftest import random_prompts
+from engine import Engine, EngineConfig, SamplingParams
+from tests.engine.conftest import assert_drained, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(3, seed=31, lo=5, hi=20)
 
@@ -72,3 +72,46 @@ def test_beam_and_n2_requests_in_one_batch_keep_their_own_logits(model_dirs, mak
     beam, mixed = llm.generate([a, b], [_params(), sampled], use_tqdm=False)
     assert [c.token_ids for c in beam.outputs] == [c.token_ids for c in beam_alone.outputs]
     assert [c.token_ids for c in mixed.outputs] == [c.token_ids for c in alone.outputs]
+
+
+def test_beam_search_prefills_a_prompt_longer_than_the_token_budget_in_chunks(
+        model_dirs, oracle, make_llm):
+    # Chunked prefill is on: a beam request's prompt runs in chunks like any other (it was
+    # refused with "chunked prefill is off").
+    llm = make_llm(model_dirs["llama"], block_size=8, max_num_batched_tokens=8)
+    outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    assert [o.error for o in outs] == [None, None, None]
+    assert [[c.token_ids for c in o.outputs] for o in outs] == oracle["llama"]
+
+
+def test_beam_search_is_unchanged_by_injected_recompute_preemption(model_dirs, oracle, make_llm):
+    # After a recompute every beam prefills its whole sequence again: four beams of up to
+    # 52 tokens, far over a 16-token budget (they ended after one token with "length").
+    llm = make_llm(model_dirs["llama"], block_size=8, preemption_mode="recompute",
+                   max_num_batched_tokens=16, artificial_preemption_prob=0.4,
+                   artificial_preemption_seed=2)
+    outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    assert [o.error for o in outs] == [None, None, None]
+    assert [[c.token_ids for c in o.outputs] for o in outs] == oracle["llama"]
+    assert llm.stats()["num_recompute_preemptions"] > 0
+
+
+def test_beam_width_over_the_token_budget_errors_instead_of_hanging(tiny_llama):
+    # Four beams decode together, four tokens a step: a 3-token budget never holds them.
+    engine = Engine(EngineConfig(model=str(tiny_llama), max_num_batched_tokens=3,
+                                 swap_space=0.01))
+    engine.add_request("beam", [5, 6], _params())
+    engine.add_request("greedy", [5, 6], SamplingParams(temperature=0, max_tokens=3,
+                                                         ignore_eos=True))
+    finished = {}
+    for _ in range(20):
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if not engine.has_unfinished():
+            break
+    assert sorted(finished) == ["beam", "greedy"]
+    assert [c.finish_reason for c in finished["beam"].outputs] == ["error"]
+    assert finished["beam"].error == (
+        "beam search advances its 4 beams together, one token each per step, but "
+        "max_num_batched_tokens is 3; lower best_of or raise max_num_batched_tokens")
+    assert finished["greedy"].outputs[0].token_ids == hf_greedy(tiny_llama, [[5, 6]], 3)[0]
+    assert_drained(engine)
