@@ -238,8 +238,32 @@ _REQUIRED_JOB_FIELDS = ("id", "model", "params")
 
 
 def check_job_spec(spec: JobSpec) -> JobSpec:
-    """What a producer checks before enqueueing (the worker checks the same on decode)."""
-    return _job_from_map(spec.to_wire())
+    """What a producer checks before enqueueing (the worker checks the same on decode), and that
+    its text can travel at all: MessagePack strings are UTF-8, which a lone surrogate is not."""
+    wire = spec.to_wire()
+    checked = _job_from_map(wire)
+    _check_text(wire, "", checked.id)
+    return checked
+
+
+def _check_text(value: object, where: str, job_id: str) -> None:
+    """Every string in `value` (keys too) encodes as UTF-8, or a ProtocolError names it."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            bad = value[exc.start:exc.end]
+            raise ProtocolError("bad_text", f"{where or 'a name'} is not valid Unicode text: "
+                                f"it holds the lone surrogate {bad!r} at character "
+                                f"{exc.start} (half a UTF-16 pair, which UTF-8 cannot "
+                                "encode)", job_id) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where, job_id)
+            _check_text(item, f"{where}.{key}" if where else str(key), job_id)
+    elif isinstance(value, list):
+        for k, item in enumerate(value):
+            _check_text(item, f"{where}[{k}]", job_id)
 
 
 def encode_job_entry(spec: JobSpec, attempt_base: int = 0) -> dict[str, bytes]:

@@ -4,6 +4,8 @@ writing reply events itself)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -12,6 +14,7 @@ from producer import AsyncClient, Client, JobError
 from producer.protocol import (
     REPLY_FIELD,
     Keys,
+    ProtocolError,
     decode_job_entry,
     done_event,
     encode_event,
@@ -19,7 +22,7 @@ from producer.protocol import (
     started_event,
     tokens_event,
 )
-from tests.fleet.harness import RedisServer, wait_for
+from tests.fleet.harness import REPO, RedisServer, wait_for
 
 KEYS = Keys()
 
@@ -128,3 +131,23 @@ def test_async_client_mirrors_the_sync_one(redis_server: RedisServer) -> None:
     assert (created, again) == (True, False)
     assert kinds == ["started", "tokens", "done"]
     assert result["outputs"][0]["token_ids"] == [3]  # type: ignore[index]
+
+
+def test_text_that_is_not_unicode_is_refused_before_enqueueing(redis_server: RedisServer) -> None:
+    """A lone surrogate (half a UTF-16 pair: what a non-UTF-8 byte in argv becomes) cannot be
+    sent as MessagePack text: a ProtocolError naming the field, not a UnicodeEncodeError."""
+    client = Client(redis_server.url)
+    with pytest.raises(ProtocolError) as bad_stop:
+        client.submit("hi", {"stop": ["ok", "\udcff"]}, model="tiny")
+    assert bad_stop.value.code == "bad_text"
+    assert str(bad_stop.value) == (
+        "params.stop[1] is not valid Unicode text: it holds the lone surrogate '\\udcff' at "
+        "character 0 (half a UTF-16 pair, which UTF-8 cannot encode)")
+    out = subprocess.run([sys.executable, "-m", "producer.cli", "submit", b"caf\xe9", "--model",
+                          "tiny", "--redis", redis_server.url], cwd=REPO, capture_output=True,
+                         timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.decode().strip() == (
+        "genq submit: prompt is not valid Unicode text: it holds the lone surrogate '\\udce9' "
+        "at character 3 (half a UTF-16 pair, which UTF-8 cannot encode)")
+    assert redis_server.client().exists(KEYS.jobs("tiny")) == 0
