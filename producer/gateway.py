@@ -96,13 +96,16 @@ class Gateway:
             [(None, messages)] if messages is not None else [(p, None) for p in prompts])
         ids = [base] if len(inputs) == 1 else [f"{base}-{k}" for k in range(len(inputs))]
         deadline = time.time() + self.cfg.timeout_s
+        specs = []
         for job_id, (prompt, chat) in zip(ids, inputs, strict=True):
-            self._keep(job_id)
             try:
                 spec = make_job_spec(prompt, params, model, job_id, deadline, stream, chat)
                 check_limits(spec, self.cfg.limits)
             except ProtocolError as exc:
                 raise GatewayError(400, exc.message, code=exc.code) from None
+            specs.append(spec)
+        for spec in specs:  # only once every prompt passed: a 400 leaves no job running
+            self._keep(spec.id)
             await self.redis.submit(spec)
         return ids
 
@@ -181,6 +184,8 @@ class Gateway:
             raise error_status(first[1])
         # From the reply stream's clock, so a resumed stream's chunks match the first ones.
         shaper = Choices(req, chat, response_id, reader.created or int(time.time()), prompts)
+        for event in reader.replayed:  # a resume: what the client already has shapes the rest
+            shaper.sse_payloads(event)  # (no second role or echo, nor the whole text at the end)
 
         async def body() -> AsyncIterator[str]:
             finished = False

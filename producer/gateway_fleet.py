@@ -160,7 +160,9 @@ def _entry_key(entry_id: str) -> tuple[int, int]:
 class JobReader:
     """One job's reply stream, deduplicated across attempts (ReplyDeduper), as
     (entry id, event) pairs. With `after`, everything up to that entry is read and folded into
-    the deduper but not yielded: a resumed stream continues exactly where the client stopped."""
+    the deduper but not yielded: a resumed stream continues exactly where the client stopped.
+    What the deduper made of those entries is kept in `replayed` (complete by the first yield),
+    so the caller can bring its own per-stream state up to where the client is."""
 
     def __init__(self, conn: aioredis.Redis, reply_key: str, job_id: str, after: str | None,
                  timeout_s: float) -> None:
@@ -170,6 +172,7 @@ class JobReader:
         self.after = _entry_key(after) if after else None
         self.timeout_s = timeout_s
         self.created: int | None = None  # epoch seconds of the first reply entry (its id's clock)
+        self.replayed: list[dict[str, Any]] = []  # events the client had before `after`
 
     async def events(self) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         dedupe = ReplyDeduper()
@@ -190,6 +193,8 @@ class JobReader:
                     if self.after is None or _entry_key(last) > self.after:
                         for event in out:
                             yield last, event
+                    else:
+                        self.replayed += out
                     if dedupe.finished:
                         return
             if time.monotonic() >= end:

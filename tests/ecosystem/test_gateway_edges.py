@@ -1,0 +1,131 @@
+"""The gateway's less travelled paths against a live gateway + worker + redis-server: a stream
+resumed with Last-Event-ID late in the stream, text that is not valid Unicode, and a request of
+several prompts one of which is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.ecosystem.gateway_harness import MODEL_DIR, GatewayProcess, gateway_fleet
+from tests.ecosystem.test_chat import TEMPLATE
+from tests.ecosystem.test_gateway import PROMPT, entry_key, sse
+from tests.fleet.harness import RedisServer, reply_events
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, GatewayProcess]]:
+    """The demo model as "tiny", and a copy with a chat template as "chat"."""
+    chat_model = tmp_path_factory.mktemp("edges-chat-model") / "genq-tiny-chat"
+    shutil.copytree(MODEL_DIR, chat_model)
+    config_path = chat_model / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()),
+                                       "chat_template": TEMPLATE}))
+    workers = [(MODEL_DIR, "gw-edges", "tiny"), (chat_model, "gw-edges-chat", "chat")]
+    with gateway_fleet(tmp_path_factory.mktemp("gateway-edges"), workers,
+                       "--resume-grace", "0.2") as pair:
+        yield pair
+
+
+def chat_sse(gateway: GatewayProcess, body: dict[str, Any],
+             headers: dict[str, str]) -> list[tuple[str | None, Any]]:
+    events: list[tuple[str | None, Any]] = []
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions",
+                      json={**body, "stream": True}, headers=headers, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        event_id = None
+        for line in resp.iter_lines():
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                data = line[6:]
+                events.append((event_id, data if data == "[DONE]" else json.loads(data)))
+                event_id = None
+    return events
+
+
+def after(events: list[tuple[str | None, Any]], cut: str) -> list[tuple[str | None, Any]]:
+    return [e for e in events if e[0] is None or entry_key(e[0]) > entry_key(cut)]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_a_resume_after_the_last_tokens_event_sends_only_the_finish(
+        fleet: tuple[RedisServer, GatewayProcess], echo: bool) -> None:
+    """A client cut right after the last tokens chunk resumes into just the finish: the finish
+    chunk does not bring the whole text again (nor the echoed prompt a second time)."""
+    _, gateway = fleet
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "echo": echo}
+    headers = {"Genq-Job-Id": f"resume-late-{echo}"}
+    events = sse(gateway, body, headers)
+    data_ids = [eid for eid, data in events if data != "[DONE]"]
+    finish_id = data_ids[-1]
+    last_tokens = [eid for eid in data_ids if eid != finish_id][-1]
+    assert events[-2] == (finish_id, {**events[-2][1], "choices": [
+        {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]})
+    for cut in (last_tokens, data_ids[0]):
+        resumed = sse(gateway, body, {**headers, "Last-Event-ID": cut})
+        assert resumed == after(events, cut)
+
+
+def test_a_resumed_chat_stream_sends_the_role_only_in_the_first_chunk(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
+    _, gateway = fleet
+    body = {"model": "chat", "messages": [{"role": "user", "content": "def main("}],
+            "max_tokens": 6, "temperature": 0}
+    headers = {"Genq-Job-Id": "chat-resume-1"}
+    events = chat_sse(gateway, body, headers)
+    data_ids = [eid for eid, data in events if data != "[DONE]"]
+    roles = [eid for eid, data in events
+             if data != "[DONE]" and "role" in data["choices"][0]["delta"]]
+    assert len(data_ids) >= 3 and roles == data_ids[:1]
+    for cut in (data_ids[0], data_ids[-2]):
+        resumed = chat_sse(gateway, body, {**headers, "Last-Event-ID": cut})
+        assert resumed == after(events, cut)
+
+
+SURROGATES = [
+    ("prompt", "/v1/completions", {"prompt": "def \\ud800main("}),
+    ("stop", "/v1/completions", {"prompt": PROMPT, "stop": "\\udc00"}),
+    ("messages", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "\\ud83d"}]}),
+]
+
+
+@pytest.mark.parametrize("field, path, extra", SURROGATES, ids=[s[0] for s in SURROGATES])
+def test_a_lone_surrogate_is_a_400_naming_the_field(
+        fleet: tuple[RedisServer, GatewayProcess], field: str, path: str,
+        extra: dict[str, Any]) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which is no Unicode text at all: the
+    gateway answers 400 with a reason instead of a 500 from deep in the encoder."""
+    server, gateway = fleet
+    job_id = f"surrogate-{field}"
+    fields = ", ".join(f'"{k}": {json.dumps(v, ensure_ascii=False)}' for k, v in extra.items())
+    raw = ('{"model": "tiny", "max_tokens": 2, ' + fields + "}").replace("\\\\u", "\\u")
+    resp = httpx.post(f"{gateway.url}{path}", content=raw.encode(),
+                      headers={"content-type": "application/json", "Genq-Job-Id": job_id},
+                      timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "bad_text"
+    assert field in error["message"] and "surrogate" in error["message"]
+    assert server.client().exists(f"genq:idem:{job_id}") == 0
+
+
+def test_several_prompts_one_over_a_cap_enqueue_nothing(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
+    """The 400 for the second prompt comes before any job is enqueued: the first prompt's job
+    would otherwise run for nobody."""
+    server, gateway = fleet
+    resp = httpx.post(f"{gateway.url}/v1/completions",
+                      json={"model": "tiny", "prompt": [PROMPT, "x" * 300_000], "max_tokens": 2},
+                      headers={"Genq-Job-Id": "multi-cap"}, timeout=60)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "limit_exceeded"
+    conn = server.client()
+    assert [conn.exists(f"genq:idem:multi-cap-{k}") for k in (0, 1)] == [0, 0]
+    assert reply_events(server, "multi-cap-0") == []
