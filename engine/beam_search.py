@@ -59,8 +59,9 @@ def select(beams: list[Sequence], logits: torch.Tensor, width: int, eos_ids: set
 
 
 def is_done(hypotheses: list[Sequence], beams: list[Sequence], params: SamplingParams,
-            width: int) -> bool:
-    """transformers' stopping rule once `width` hypotheses exist."""
+            width: int, max_new_tokens: int) -> bool:
+    """transformers' stopping rule once `width` hypotheses exist (`max_new_tokens`: the most
+    tokens a beam may reach, max_tokens or what max_model_len leaves)."""
     if not beams:
         return True
     if len(hypotheses) < width:
@@ -71,8 +72,7 @@ def is_done(hypotheses: list[Sequence], beams: list[Sequence], params: SamplingP
                 for h in hypotheses)
     length = beams[0].num_output_tokens
     if params.early_stopping == "never" and params.length_penalty > 0.0:
-        assert params.max_tokens is not None
-        length = params.max_tokens
+        length = max_new_tokens
     best = max(b.ranking_logprob for b in beams)
     return worst >= score(best, length, params.length_penalty)
 
@@ -91,9 +91,10 @@ def advance(group: SequenceGroup, members: list[tuple[Sequence, int]], logits: t
     params, width = group.params, group.width
     live = [seq for seq, _ in members]
     rows = logits[torch.tensor([r for _, r in members], device=logits.device)]
-    last = (params.max_tokens is not None
-            and live[0].num_output_tokens + 1 >= params.max_tokens) \
-        or live[0].num_tokens + 1 >= max_model_len
+    max_new = max_model_len - group.num_prompt_tokens
+    if params.max_tokens is not None:
+        max_new = min(max_new, params.max_tokens)
+    last = live[0].num_output_tokens + 1 >= max_new
     next_beams, finished = select(live, rows, width, eos_ids, params, last)
     reused: set[int] = set()
     targets = []
@@ -118,7 +119,7 @@ def advance(group: SequenceGroup, members: list[tuple[Sequence, int]], logits: t
     dropped = [s for s in live if id(s) not in reused]
     hypotheses = best([s for s in group.seqs if s.finished], params, width)
     beams_now = [s for s in group.live_seqs() if id(s) not in {id(d) for d in dropped}]
-    if is_done(hypotheses, beams_now, params, width):
+    if is_done(hypotheses, beams_now, params, width, max_new):
         dropped, beams_now = dropped + beams_now, []
     keep = {id(s) for s in hypotheses} | {id(s) for s in beams_now}
     for seq in dropped:

@@ -53,3 +53,22 @@ def make_llm():
     yield make
     for llm in made:
         assert_drained(llm)
+
+
+@pytest.fixture(scope="session")
+def eos_llama(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_llama with EOS_ID as its EOS token (config and generation config), a token it
+    often generates, so that EOS endings happen within a few tokens."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("eos_llama") / "model"
+    shutil.copytree(tiny_llama, path)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((path / name).read_text())
+        config["eos_token_id"] = EOS_ID
+        (path / name).write_text(json.dumps(config))
+    return path
+
+
+EOS_ID = 16

@@ -6,20 +6,24 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.engine.conftest import assert_drained, hf_greedy, random_prompts
+from tests.engine.conftest import EOS_ID, assert_drained, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(3, seed=31, lo=5, hi=20)
 
 
-def hf_beams(model_dir, prompt, width, n, max_tokens, length_penalty, early_stopping):
+def hf_beams(model_dir, prompt, width, n, max_tokens, length_penalty, early_stopping,
+             eos_token_id=None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
                          num_beams=width, num_return_sequences=n, max_new_tokens=max_tokens,
                          do_sample=False, length_penalty=length_penalty,
-                         early_stopping=early_stopping, eos_token_id=None, pad_token_id=2)
-    return [row[len(prompt):].tolist() for row in out]
+                         early_stopping=early_stopping, eos_token_id=eos_token_id,
+                         pad_token_id=2)
+    rows = [row[len(prompt):].tolist() for row in out]
+    # A hypothesis that ended on EOS is padded after it.
+    return [row[:row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
 
 
 def _params(n: int = 2) -> SamplingParams:
@@ -115,3 +119,18 @@ def test_beam_width_over_the_token_budget_errors_instead_of_hanging(tiny_llama):
         "max_num_batched_tokens is 3; lower best_of or raise max_num_batched_tokens")
     assert finished["greedy"].outputs[0].token_ids == hf_greedy(tiny_llama, [[5, 6]], 3)[0]
     assert_drained(engine)
+
+
+def test_early_stopping_never_without_max_tokens_runs_to_max_model_len(eos_llama, make_llm):
+    # Two hypotheses end on EOS before the end: "never" then compares with the best score a beam
+    # could still reach at the longest length, which max_model_len sets when max_tokens is None
+    # (an AssertionError).
+    prompt = [96, 356, 103, 199, 155, 14]
+    llm = make_llm(eos_llama, block_size=8, max_model_len=40)
+    params = SamplingParams(use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=None,
+                            early_stopping="never")
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    expected = hf_beams(eos_llama, prompt, 2, 2, 40 - len(prompt), 1.0, "never", EOS_ID)
+    assert [c.token_ids for c in out.outputs] == expected
+    assert [c.finish_reason for c in out.outputs] == [
+        "stop" if row[-1] == EOS_ID else "length" for row in expected]
