@@ -9,6 +9,7 @@ MaxConnectionsError past 100).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -178,11 +179,17 @@ class JobReader:
         dedupe = ReplyDeduper()
         last = "0-0"
         end = time.monotonic() + self.timeout_s
+        backoff = 0.05
         while True:
             block = int(max(1, min(BLOCK_MS, (end - time.monotonic()) * 1000)))
             try:
                 resp: Any = await self.conn.xread({self.reply_key: last}, count=512, block=block)
+                backoff = 0.05
             except (RedisConnectionError, RedisTimeoutError):
+                # Redis is down: a refused connect fails at once, so wait before the next try
+                # (without it, every open stream spun the event loop at full CPU).
+                await asyncio.sleep(min(backoff, max(0.0, end - time.monotonic())))
+                backoff = min(backoff * 2, 2.0)
                 resp = []
             for _key, entries in resp or []:
                 for raw_id, fields in entries:

@@ -1,12 +1,15 @@
 """The gateway's less travelled paths against a live gateway + worker + redis-server: a stream
-resumed with Last-Event-ID late in the stream, text that is not valid Unicode, and a request of
-several prompts one of which is refused."""
+resumed with Last-Event-ID late in the stream, text that is not valid Unicode, a request of
+several prompts one of which is refused, and a reply reader while Redis is down."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -129,3 +132,53 @@ def test_several_prompts_one_over_a_cap_enqueue_nothing(
     conn = server.client()
     assert [conn.exists(f"genq:idem:multi-cap-{k}") for k in (0, 1)] == [0, 0]
     assert reply_events(server, "multi-cap-0") == []
+
+
+def test_a_reply_reader_waits_out_a_redis_outage_without_spinning(tmp_path: Path) -> None:
+    """While Redis is down a refused connect fails at once: the reader backs off (0.05 s
+    doubling) instead of retrying in a tight loop, and reads on once Redis is back."""
+    from producer.gateway_fleet import GatewayRedis, JobReader
+    from producer.protocol import Keys, done_event, encode_event
+
+    server = RedisServer(tmp_path)
+    server.start()
+    calls = 0
+
+    async def scenario() -> list[str]:
+        nonlocal calls
+        gw = GatewayRedis(server.url, Keys(), 8)
+        xread = gw.blocking_conn.xread
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return await xread(*args, **kwargs)
+
+        gw.blocking_conn.xread = counted  # type: ignore[method-assign]
+        reader = JobReader(gw.blocking_conn, "genq:reply:outage", "outage", None, 60)
+        server.kill()
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        down = loop.run_in_executor(None, time.sleep, 1.5)
+
+        async def restart_and_finish() -> None:
+            await down
+            server.start()
+            server.client().xadd("genq:reply:outage", {"e": encode_event(done_event(
+                1, [{"index": 0, "token_ids": [1], "text": "a", "finish_reason": "length"}],
+                {"prompt_tokens": 1, "completion_tokens": 1}, {}))})
+
+        task = asyncio.ensure_future(restart_and_finish())
+        kinds = [event["type"] async for _, event in reader.events()]
+        await task
+        await gw.close()
+        assert time.monotonic() - start >= 1.5
+        return kinds
+
+    try:
+        assert asyncio.run(scenario()) == ["done"]
+    finally:
+        server.kill()
+    # Tries at about 0, 0.05, 0.15, 0.35, 0.75 and 1.55 s (+ the read that finds the event);
+    # the loop without a backoff made thousands.
+    assert 3 <= calls <= 8
