@@ -269,13 +269,17 @@ class Engine:
             else:
                 return
         self.block_manager.free(seq)
-        if not (self.config.stream_text or params.stop):  # text once, at the end
-            num = seq.num_output_tokens - (seq.finish_reason == "stop")
+        if isinstance(seq.stop_reason, str):
+            return  # find_stop cut the text at the stop string
+        # The EOS or stop token that ended it is text only with include_stop_str_in_output
+        # (vLLM's rule); decoding to there also flushes bytes held back for a character that
+        # will now never complete. Text decoded once (not streamed) is decoded here.
+        num = seq.num_output_tokens
+        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
+            num -= 1
+        if not (self.config.stream_text or params.stop) \
+                or seq.read_offset < seq.num_prompt_tokens + num:
             seq.output_text = decode_output(self.decoder, seq, num, params.skip_special_tokens)
-        elif seq.stop_reason is None and seq.read_offset < seq.num_tokens:
-            # Flush bytes held back for a character that will now never complete.
-            seq.output_text = decode_output(self.decoder, seq, seq.num_output_tokens,
-                                            params.skip_special_tokens)
 
     def _finish_group(self, group: SequenceGroup) -> None:
         group.status = SequenceStatus.FINISHED

@@ -8,7 +8,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.detokenizer import decode_delta, init_offsets
 from engine.sequence import Sequence
 from engine.tokenizer import fast_decoder
-from tests.engine.conftest import assert_drained, random_prompts
+from tests.engine.conftest import EOS_ID, assert_drained, random_prompts
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["tokenizer", "backend"])
@@ -113,3 +113,34 @@ def test_first_tokens_decode_the_same_through_the_byte_table_after_any_prompt_ta
                 deltas.append(decode_delta(decoder, seq, True, use))
             runs.append((deltas, seq.prefix_offset, seq.read_offset))
         assert runs[0] == runs[1], prompt
+
+
+@pytest.mark.parametrize("stream_text", [False, True], ids=["decoded_once", "streamed"])
+@pytest.mark.parametrize("include", [False, True], ids=["excluded", "included"])
+def test_include_stop_str_in_output_shows_the_stop_token_or_eos_text(eos_llama, include,
+                                                                      stream_text):
+    # vLLM: the token that stopped a sequence (EOS or one of stop_token_ids) stays in
+    # token_ids; its text is in the output text only with include_stop_str_in_output.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = random_prompts(1, seed=11, lo=5, hi=10)[0]
+    model = AutoModelForCausalLM.from_pretrained(str(eos_llama), dtype=torch.float32)
+    hf = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                        max_new_tokens=8, min_new_tokens=2, do_sample=False,
+                        eos_token_id=EOS_ID, pad_token_id=2)[0, len(prompt):].tolist()
+    assert hf[-1] == EOS_ID and len(hf) < 8  # the model stops on EOS after min_tokens
+    text = AutoTokenizer.from_pretrained(str(eos_llama)).decode(hf if include else hf[:-1])
+    engine = Engine(EngineConfig(model=str(eos_llama), stream_text=stream_text,
+                                 swap_space=0.01))
+    common = dict(temperature=0, max_tokens=8, min_tokens=2, include_stop_str_in_output=include)
+    engine.add_request("eos", prompt, SamplingParams(**common))
+    engine.add_request("token", prompt, SamplingParams(**common, ignore_eos=True,
+                                                       stop_token_ids=[EOS_ID]))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason)
+            for c in (done["eos"], done["token"])] == [(hf, text, "stop", None),
+                                                        (hf, text, "stop", EOS_ID)]
+    assert_drained(engine)
