@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -35,8 +36,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = _as_list(self.stop, "stop must be a string or a list of non-empty strings")
+        self.stop_token_ids = _as_list(self.stop_token_ids,
+                                       "stop_token_ids must be a list of non-negative integers")
         if self.best_of is None:
             self.best_of = self.n
         self._validate()
@@ -66,6 +68,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "length_penalty"):
             _check_type(name, getattr(self, name), (int, float))
+            if math.isnan(getattr(self, name)):  # NaN passes every range check below
+                raise ValueError(f"{name} must be a number, got nan")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         assert self.best_of is not None
@@ -93,7 +97,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
+            raise ValueError("stop must be a string or a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if self.logprobs is not None:
@@ -113,6 +117,16 @@ class SamplingParams:
                 raise ValueError("beam search is deterministic: leave temperature at 0 or 1")
             if self.early_stopping not in (True, False, "never"):
                 raise ValueError("early_stopping must be True, False or 'never'")
+
+
+def _as_list(value: object, message: str) -> list[Any]:
+    """None (vLLM's default) is an empty list; any other iterable a list of its items."""
+    if value is None:
+        return []
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"{message}, got {type(value).__name__} {value!r}") from None
 
 
 def _check_type(name: str, value: object, kind: type | tuple[type, ...]) -> None:

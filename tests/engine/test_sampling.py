@@ -152,6 +152,11 @@ def test_cumulative_logprob_only_when_logprobs_are_asked_for(tiny_llama, make_ll
     ("logprobs", 50, "logprobs must be in"),
     ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
     ("seed", "7", "seed must be of type int"),
+    ("temperature", float("nan"), "temperature must be a number, got nan"),
+    ("repetition_penalty", float("nan"), "repetition_penalty must be a number, got nan"),
+    ("length_penalty", float("nan"), "length_penalty must be a number, got nan"),
+    ("stop", 5, "stop must be a string or a list of non-empty strings"),
+    ("stop_token_ids", 7, "stop_token_ids must be a list of non-negative integers"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value, message):
     kwargs = {field: value}
@@ -159,6 +164,13 @@ def test_invalid_sampling_params_name_the_field(field, value, message):
         kwargs["n"] = 2
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_none_stop_and_stop_token_ids_mean_none_as_in_vllm():
+    # vLLM's defaults are None; the wire form (from_dict) may carry them.
+    for params in (SamplingParams(stop=None, stop_token_ids=None),
+                   SamplingParams.from_dict({"stop": None, "stop_token_ids": None})):
+        assert params.stop == [] and params.stop_token_ids == []
 
 
 def test_unknown_sampling_param_is_named():
