@@ -39,7 +39,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producer import openai_schema as oa
 from producer.client import make_job_spec
-from producer.gateway_fleet import FleetView, GatewayRedis, JobReader, error_status
+from producer.gateway_fleet import (
+    FleetView,
+    GatewayRedis,
+    JobReader,
+    check_last_event_id,
+    error_status,
+)
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
 from producer.protocol import DEFAULT_PREFIX, Keys, Limits, ProtocolError, check_limits
@@ -141,12 +147,14 @@ class Gateway:
             raise GatewayError(400, "stream: true takes one prompt; send one request per prompt",
                                param="prompt")
         messages = req.wire_messages() if isinstance(req, oa.ChatCompletionRequest) else None
+        resume_after = check_last_event_id(request.headers.get("last-event-id")) \
+            if req.stream else None
         ids = await self.submit(request, req.model, prompts, params, messages, bool(req.stream))
         prefix = "chatcmpl-" if chat else "cmpl-"
         headers = {JOB_ID_HEADER: ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]}
         if req.stream:
             return await self._stream(request, req, ids[0], prefix + headers[JOB_ID_HEADER],
-                                      chat, headers, prompts)
+                                      chat, headers, prompts, resume_after)
         try:
             results = await watch_disconnect(request, asyncio.gather(
                 *(self.reader(job_id).result() for job_id in ids)))
@@ -170,8 +178,8 @@ class Gateway:
     async def _stream(self, request: Request,
                       req: oa.CompletionRequest | oa.ChatCompletionRequest, job_id: str,
                       response_id: str, chat: bool, headers: dict[str, str],
-                      prompts: list[str | list[int]]) -> Response:
-        reader = self.reader(job_id, after=request.headers.get("last-event-id"))
+                      prompts: list[str | list[int]], resume_after: str | None) -> Response:
+        reader = self.reader(job_id, after=resume_after)
         events = reader.events()
         try:  # the first event decides the status: a job the worker rejects is a 4xx/5xx
             first = await watch_disconnect(request, anext_or_none(events))

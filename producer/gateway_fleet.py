@@ -10,6 +10,7 @@ MaxConnectionsError past 100).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -156,6 +157,18 @@ class FleetView:
 def _entry_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+_ENTRY_ID_RE = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
+
+
+def check_last_event_id(value: str | None) -> str | None:
+    """A Last-Event-ID header is a reply entry id (what this gateway sent as `id:`), or a 400."""
+    if value is None or _ENTRY_ID_RE.fullmatch(value):
+        return value
+    raise GatewayError(400, f"Last-Event-ID {value[:64]!r} is not a reply entry id "
+                       "(<ms>-<seq>, as the id: lines of this stream)", param="Last-Event-ID",
+                       code="bad_last_event_id")
 
 
 class JobReader:

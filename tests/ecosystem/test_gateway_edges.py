@@ -182,3 +182,20 @@ def test_a_reply_reader_waits_out_a_redis_outage_without_spinning(tmp_path: Path
     # Tries at about 0, 0.05, 0.15, 0.35, 0.75 and 1.55 s (+ the read that finds the event);
     # the loop without a backoff made thousands.
     assert 3 <= calls <= 8
+
+
+@pytest.mark.parametrize("last_event_id", ["abc", "12-x", "-1-0", "1-2-3"])
+def test_a_malformed_last_event_id_is_a_400_and_submits_nothing(
+        fleet: tuple[RedisServer, GatewayProcess], last_event_id: str) -> None:
+    server, gateway = fleet
+    job_id = f"bad-resume-{abs(hash(last_event_id)) % 10_000}"
+    resp = httpx.post(f"{gateway.url}/v1/completions",
+                      json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "stream": True},
+                      headers={"Genq-Job-Id": job_id, "Last-Event-ID": last_event_id},
+                      timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"] == {
+        "message": f"Last-Event-ID {last_event_id!r} is not a reply entry id (<ms>-<seq>, as "
+                   "the id: lines of this stream)", "type": "invalid_request_error",
+        "param": "Last-Event-ID", "code": "bad_last_event_id"}
+    assert server.client().exists(f"genq:idem:{job_id}") == 0
