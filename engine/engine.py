@@ -138,6 +138,10 @@ class Engine:
                 out = self._output(group)
                 if out.outputs or out.finished or not self.delta_outputs:
                     outputs[group.request_id] = out
+        for group in sched.finished:  # ended by the scheduler: it outgrew the cache
+            for seq in group.seqs:
+                if seq.finish_reason != "stop":  # (those that stopped have their text)
+                    self._final_text(seq, group.params)
         for group in sched.finished + self._rejected:
             self._finish_group(group)
             outputs[group.request_id] = self._output(group)
@@ -269,8 +273,12 @@ class Engine:
             else:
                 return
         self.block_manager.free(seq)
-        if isinstance(seq.stop_reason, str):
-            return  # find_stop cut the text at the stop string
+        self._final_text(seq, params)
+
+    def _final_text(self, seq: Sequence, params: SamplingParams) -> None:
+        """The text of a sequence that just finished (idempotent)."""
+        if isinstance(seq.stop_reason, str) or not seq.num_output_tokens:
+            return  # find_stop cut the text at the stop string; or there is no output
         # The EOS or stop token that ended it is text only with include_stop_str_in_output
         # (vLLM's rule); decoding to there also flushes bytes held back for a character that
         # will now never complete. Text decoded once (not streamed) is decoded here.

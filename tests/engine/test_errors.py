@@ -99,3 +99,21 @@ def test_more_sequences_than_max_num_seqs_errors_and_others_complete(tiny_llama,
                              "lower n/best_of or raise max_num_seqs")
     expected = hf_greedy(tiny_llama, good[:1], 8)[0]
     assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("stream_text", [False, True], ids=["decoded_once", "streamed"])
+def test_request_that_outgrows_the_cache_ends_with_length_and_its_text(tiny_llama, make_llm,
+                                                                      stream_text):
+    from transformers import AutoTokenizer
+
+    # 4 blocks of 8 tokens hold 32: a 10-token prompt computes 22 more, samples the 23rd,
+    # and the scheduler ends it (its text was "" when decoded once, as the offline LLM does).
+    llm = make_llm(tiny_llama, block_size=8, num_gpu_blocks_override=4, watermark=0.0,
+                   stream_text=stream_text)
+    prompt = random_prompts(1, seed=4, lo=10, hi=10)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    expected = hf_greedy(tiny_llama, [prompt], 23)[0]
+    text = AutoTokenizer.from_pretrained(str(tiny_llama)).decode(expected)
+    assert (out.token_ids, out.text, out.finish_reason) == (expected, text, "length")
+    assert llm.stats()["num_infeasible"] == 1
