@@ -16,7 +16,8 @@ Contracts:
   the job running; the grace is per gateway process).
 - Errors are OpenAI's shape {"error": {message, type, param, code}}: 400 bad params, 404 unknown
   model, 429 queue depth (waiting + running jobs of the model) at or over max_queue_depth, 503 no
-  live worker serves a model that has a queue, 504 the job's deadline (now + timeout_s) passed.
+  live worker serves a model that has a queue or Redis cannot be reached, 504 the job's deadline
+  (now + timeout_s) passed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from redis import ConnectionError as RedisConnectionError
+from redis import TimeoutError as RedisTimeoutError
 
 from producer import openai_schema as oa
 from producer.client import make_job_spec
@@ -260,6 +263,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     @app.exception_handler(GatewayError)
     async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def on_redis_down(request: Request, exc: Exception) -> JSONResponse:
+        error = GatewayError(503, f"the gateway cannot reach Redis ({exc}); retry later",
+                             type_="server_error", code="redis_unavailable")
+        return JSONResponse(error.body(), status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -199,3 +199,21 @@ def test_a_malformed_last_event_id_is_a_400_and_submits_nothing(
                    "the id: lines of this stream)", "type": "invalid_request_error",
         "param": "Last-Event-ID", "code": "bad_last_event_id"}
     assert server.client().exists(f"genq:idem:{job_id}") == 0
+
+
+def test_while_redis_is_down_answers_are_openai_shaped_503s(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    gateway = GatewayProcess(server.url, tmp_path / "gateway-no-redis.log")
+    try:
+        server.kill()
+        for method, path, body in [("POST", "/v1/completions", {"model": "tiny", "prompt": "x"}),
+                                   ("GET", "/v1/models", None)]:
+            resp = httpx.request(method, f"{gateway.url}{path}", json=body, timeout=60)
+            assert resp.status_code == 503, resp.text
+            error = resp.json()["error"]
+            assert (error["type"], error["code"], error["param"]) == (
+                "server_error", "redis_unavailable", None)
+            assert error["message"].startswith("the gateway cannot reach Redis (")
+    finally:
+        gateway.stop()
