@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.block_manager import BlockManager
@@ -31,7 +32,12 @@ class Candidate:
 
 
 def score(cumulative: float, length: int, length_penalty: float) -> float:
-    return cumulative / (max(length, 1) ** length_penalty)
+    """Hugging Face's cumulative / length ** length_penalty, in IEEE doubles that saturate (a
+    huge penalty gives inf or 0 and a score of -0.0 or -inf) instead of raising OverflowError
+    or ZeroDivisionError as Python floats do; the same value otherwise."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return float(np.float64(cumulative) / np.power(np.float64(max(length, 1)),
+                                                       np.float64(length_penalty)))
 
 
 def select(beams: list[Sequence], logits: torch.Tensor, width: int, eos_ids: set[int],

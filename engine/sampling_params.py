@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _INT_LIMIT = 2**63 - 1
+MIN_TEMPERATURE = 0.01  # a positive temperature below this samples at this one (vLLM)
 
 
 @dataclass
@@ -42,6 +43,10 @@ class SamplingParams:
         if self.best_of is None:
             self.best_of = self.n
         self._validate()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            # vLLM's rule: dividing logits by a tinier temperature overflows to inf (NaN
+            # probabilities); 0.01 already samples the top token unless others are within ~0.1.
+            self.temperature = MIN_TEMPERATURE
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

@@ -134,3 +134,20 @@ def test_early_stopping_never_without_max_tokens_runs_to_max_model_len(eos_llama
     assert [c.token_ids for c in out.outputs] == expected
     assert [c.finish_reason for c in out.outputs] == [
         "stop" if row[-1] == EOS_ID else "length" for row in expected]
+
+
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308])
+def test_a_huge_length_penalty_saturates_instead_of_raising(length_penalty, tiny_llama,
+                                                            make_llm):
+    """length ** 1e308 overflows a Python float (OverflowError killed the step, and the
+    worker with it) and length ** -1e308 divides by zero; in IEEE doubles the scores saturate
+    to -0.0 / -inf and the search ends normally."""
+    from engine.beam_search import score
+
+    assert score(-3.0, 4, 1e308) == 0.0 and score(-3.0, 4, -1e308) == float("-inf")
+    assert score(-3.0, 4, 1.0) == -0.75 and score(-3.0, 0, 2.0) == -3.0
+    params = SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, max_tokens=6,
+                            length_penalty=length_penalty, ignore_eos=True)
+    [out] = make_llm(tiny_llama).generate([[5, 6, 7, 8]], params, use_tqdm=False)
+    assert [len(c.token_ids) for c in out.outputs] == [6]
+    assert out.outputs[0].finish_reason == "length"

@@ -193,3 +193,21 @@ def test_argmax_takes_the_first_maximum_and_nan_like_torch():
     for x in (logits, view):
         assert torch.equal(_argmax(x), x.argmax(dim=-1))
     assert _argmax(logits)[3:7].tolist() == [5, 9, 0, 299]
+
+
+def test_a_temperature_below_001_samples_at_001_as_in_vllm(tiny_llama, make_llm):
+    """Logits / 1e-300 overflow to inf and sampled garbage; vLLM raises such temperatures to
+    0.01, and so does SamplingParams."""
+    llm = make_llm(tiny_llama)
+    assert SamplingParams(temperature=1e-300).temperature == 0.01
+
+    def run(temperature):
+        params = SamplingParams(temperature=temperature, seed=4, max_tokens=12, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    tiny = run(1e-300)
+    assert tiny == run(0.01)
+    # Near-greedy: most prompts follow the greedy tokens (a near-tie may go the other way).
+    greedy = hf_greedy(tiny_llama, PROMPTS, 12)
+    assert sum(t == g for t, g in zip(tiny, greedy)) >= len(PROMPTS) - 1
+
