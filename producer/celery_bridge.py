@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,17 +65,23 @@ def create_app(broker: str, redis_url: str, *, backend: str | None = None,
     def generate(self: Any, prompt: str | Sequence[int], model: str,
                  params: dict[str, Any] | None = None, job_id: str | None = None,
                  deadline: float | None = None) -> dict[str, Any]:
+        # Nobody reads the result after `timeout`: past it, a worker does not start the job
+        # (the deadline) or stops it (the cancel), as the gateway does for its requests.
+        if deadline is None:
+            deadline = time.time() + timeout
         try:
             job = client.submit(prompt, params or {}, model=model,
                                 job_id=job_id or self.request.id, deadline=deadline,
                                 stream=False)
+        except ProtocolError as exc:
+            raise GenqJobFailed(f"job rejected ({exc.code}): {exc.message}") from None
+        try:
             return job.result(timeout=timeout)
         except JobError as exc:
             raise GenqJobFailed(str(exc)) from None
-        except ProtocolError as exc:
-            raise GenqJobFailed(f"job rejected ({exc.code}): {exc.message}") from None
         except TimeoutError as exc:
-            raise GenqJobFailed(str(exc)) from None
+            job.cancel()
+            raise GenqJobFailed(f"{exc}; the job was cancelled") from None
 
     return app
 

@@ -177,3 +177,30 @@ def test_a_task_whose_bridge_died_is_delivered_again_and_attaches_to_the_running
     events = [decode_event(f[b"e"]) for _, f in conn.xrange(f"genq:reply:{result.id}")]
     assert [e["type"] for e in events].count("started") == 1  # the job ran once
     assert got["usage"]["completion_tokens"] == 480
+
+
+def test_a_task_that_times_out_cancels_its_job_and_gave_it_a_deadline(redis_url: str,
+                                                                       tmp_path: Path) -> None:
+    """Past the bridge's --timeout nobody reads the result: the job carries that deadline (a
+    worker will not start it later) and is cancelled, as the gateway does."""
+    import time
+
+    from producer.protocol import Keys, decode_job_entry
+
+    bridge = start_bridge(redis_url, tmp_path / "bridge.log", "--timeout", "1", queue="slow")
+    try:
+        sent = time.time()
+        result = celery_app(redis_url, "json").send_task(
+            "genq.generate", kwargs={"prompt": PROMPT, "model": "nobody-serves-this"},
+            queue="slow")
+        with pytest.raises(Exception, match="no terminal event within 1.0 s; the job was "
+                                            "cancelled"):
+            result.get(timeout=60)
+    finally:
+        stop(bridge)
+    conn, keys = redis.Redis.from_url(redis_url), Keys()
+    [(_, fields)] = conn.xrange(keys.jobs("nobody-serves-this"))
+    spec, _ = decode_job_entry(fields)
+    assert spec.id == result.id and spec.deadline is not None
+    assert sent < spec.deadline < sent + 1 + 30  # submitted at most 30 s after sending
+    assert conn.exists(keys.cancel(result.id)) == 1
