@@ -22,6 +22,7 @@ from producer.protocol import (
     encode_job_entry,
 )
 from producer.replies import ReplyDeduper
+from producer.results import wait_results
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_IDEMPOTENCY_TTL = 24 * 3600
@@ -138,6 +139,13 @@ class Client(ClientSettings):
         ids = pipe.execute()
         return [Job(self, spec.id, model, created=eid is not None, entry_id=_text(eid))
                 for spec, eid in zip(specs, ids, strict=True)]
+
+    def results(self, jobs: Sequence[Job], timeout: float | None = 60.0, *,
+                return_exceptions: bool = False) -> list[Any]:
+        """[job.result() for job in jobs] in a few round trips: one XREAD reads up to 512
+        reply streams. A failed job raises its JobError once all have ended (the first in
+        order), or with `return_exceptions` takes its place in the list."""
+        return wait_results(self.blocking_redis, jobs, timeout, return_exceptions)
 
     def job(self, job_id: str, model: str = "") -> Job:
         """A handle on a job submitted elsewhere (to stream or cancel it)."""

@@ -151,3 +151,48 @@ def test_text_that_is_not_unicode_is_refused_before_enqueueing(redis_server: Red
         "genq submit: prompt is not valid Unicode text: it holds the lone surrogate '\\udce9' "
         "at character 3 (half a UTF-16 pair, which UTF-8 cannot encode)")
     assert redis_server.client().exists(KEYS.jobs("tiny")) == 0
+
+
+def test_results_waits_for_many_jobs_in_order_across_xread_chunks(
+        redis_server: RedisServer) -> None:
+    """Client.results == [job.result() for job in jobs], reading up to 512 streams per XREAD:
+    600 jobs whose ends arrive (out of order, after a superseded attempt for one) while it
+    waits; a failed one raises its JobError only after the rest ended, or stands in the list."""
+    client = Client(redis_server.url)
+    jobs = [client.submit("hi", {"temperature": 0}, model="tiny", job_id=f"m{i}")
+            for i in range(600)]
+
+    def finish() -> None:
+        for i in reversed(range(600)):
+            if i == 7:
+                write(redis_server, "m7", started_event(1, "w"), error_event(1, "cancelled",
+                                                                             "by the client"))
+            elif i == 3:  # attempt 1 dies mid-way; attempt 2 replays and ends
+                write(redis_server, "m3", tokens_event(1, 0, 0, [9], "x"),
+                      tokens_event(2, 0, 0, [9], "x"), done(2, [9, 4]))
+            else:
+                write(redis_server, f"m{i}", done(1, [i]))
+
+    writer = threading.Thread(target=finish)
+    writer.start()
+    results = client.results(jobs, timeout=60, return_exceptions=True)
+    writer.join()
+    assert [r["outputs"][0]["token_ids"] for k, r in enumerate(results) if k not in (3, 7)] == [
+        [i] for i in range(600) if i not in (3, 7)]
+    assert results[3]["outputs"][0]["token_ids"] == [9, 4] and results[3]["attempt"] == 2
+    assert isinstance(results[7], JobError) and (results[7].job_id, results[7].code) == (
+        "m7", "cancelled")
+    with pytest.raises(JobError, match="job m7 failed \\(cancelled\\): by the client"):
+        client.results(jobs[5:9])
+    with pytest.raises(ValueError, match="job m1 is given twice"):
+        client.results([jobs[1], jobs[1]])
+
+
+def test_results_times_out_naming_how_many_jobs_are_unfinished(
+        redis_server: RedisServer) -> None:
+    client = Client(redis_server.url)
+    jobs = [client.submit("hi", {"temperature": 0}, model="tiny", job_id=j) for j in ("t1", "t2")]
+    write(redis_server, "t1", done(1, [1]))
+    with pytest.raises(TimeoutError, match="^1 of 2 job\\(s\\) had no terminal event within "
+                                           "0.3 s$"):
+        client.results(jobs, timeout=0.3)
