@@ -57,11 +57,11 @@ def offline() -> Oracle:
     return run
 
 
-def sse(gateway: GatewayProcess, body: dict[str, Any],
-        headers: dict[str, str] | None = None) -> list[tuple[str | None, Any]]:
-    """(event id, data) for each server-sent event of a streamed completion."""
+def sse(gateway: GatewayProcess, body: dict[str, Any], headers: dict[str, str] | None = None,
+        route: str = "/v1/completions") -> list[tuple[str | None, Any]]:
+    """(event id, data) for each server-sent event of a streamed completion (or chat)."""
     events: list[tuple[str | None, Any]] = []
-    with httpx.stream("POST", f"{gateway.url}/v1/completions", json={**body, "stream": True},
+    with httpx.stream("POST", f"{gateway.url}{route}", json={**body, "stream": True},
                       headers=headers or {}, timeout=120) as resp:
         assert resp.status_code == 200, resp.read()
         event_id = None

@@ -37,19 +37,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServe
 
 def chat_sse(gateway: GatewayProcess, body: dict[str, Any],
              headers: dict[str, str]) -> list[tuple[str | None, Any]]:
-    events: list[tuple[str | None, Any]] = []
-    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions",
-                      json={**body, "stream": True}, headers=headers, timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        event_id = None
-        for line in resp.iter_lines():
-            if line.startswith("id: "):
-                event_id = line[4:]
-            elif line.startswith("data: "):
-                data = line[6:]
-                events.append((event_id, data if data == "[DONE]" else json.loads(data)))
-                event_id = None
-    return events
+    return sse(gateway, body, headers, route="/v1/chat/completions")
 
 
 def after(events: list[tuple[str | None, Any]], cut: str) -> list[tuple[str | None, Any]]:
