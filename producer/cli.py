@@ -140,12 +140,7 @@ def _unserved_warning(client: Any, model: str) -> str | None:
     since a worker may be starting), naming the models live workers do serve."""
     conn, keys = client.redis, client.keys
     try:
-        # Cheap first (no SCAN): does a consumer of the model's group have a live heartbeat?
-        try:
-            names = [c["name"] for c in conn.xinfo_consumers(keys.jobs(model), keys.group)]
-        except redis.ResponseError:  # no such stream or group yet
-            names = []
-        if names and conn.exists(*(keys.worker(_text(n)) for n in names)):
+        if live_consumers(conn, keys, model):  # cheap first: no SCAN
             return None
         served = {w["model"] for w in worker_rows(conn, keys)}
     except redis.RedisError:
@@ -217,6 +212,16 @@ def status_main(argv: list[str]) -> int:
     return 0
 
 
+def live_consumers(conn: Any, keys: Keys, model: str) -> int:
+    """Consumers of the model's group whose worker heartbeat is alive (a dead worker stays a
+    consumer until a reclaim pass deletes it)."""
+    try:
+        names = [c["name"] for c in conn.xinfo_consumers(keys.jobs(model), keys.group)]
+    except redis.ResponseError:  # no such stream or group yet
+        return 0
+    return int(conn.exists(*(keys.worker(_text(n)) for n in names))) if names else 0
+
+
 def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
     rows = []
     for raw in sorted(conn.scan_iter(match=f"{keys.jobs_prefix}*", count=1000,
@@ -230,7 +235,7 @@ def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
         rows.append({"model": model, "length": length,
                      "lag": group.get("lag") if group else length,  # no reader yet: all of it
                      "pending": group.get("pending", 0), "dead": conn.xlen(keys.dead(model)),
-                     "consumers": group.get("consumers", 0)})
+                     "consumers": live_consumers(conn, keys, model) if group else 0})
     return rows
 
 

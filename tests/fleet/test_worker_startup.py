@@ -48,3 +48,19 @@ def test_a_command_that_cannot_reach_redis_says_so_in_one_line(command: list[str
         f"genq {command[0]}: cannot reach Redis (Error 111 connecting to 127.0.0.1:{port}. "
         "Connection refused.); is redis-server running at the URL given by --redis / "
         "GENQ_REDIS?\n")
+
+
+def test_status_counts_only_consumers_whose_worker_is_alive(redis_server: RedisServer) -> None:
+    """A dead worker stays a consumer of its group until a reclaim pass deletes it: `genq
+    status` counts the consumers with a live heartbeat."""
+    from producer.cli import queue_rows
+    from producer.protocol import Keys
+
+    conn, keys = redis_server.client(), Keys()
+    conn.xgroup_create(keys.jobs("m"), keys.group, id="0", mkstream=True)
+    for name in ("alive", "gone"):
+        conn.xgroup_createconsumer(keys.jobs("m"), keys.group, name)
+    conn.set(keys.worker("alive"), b"x", ex=60)
+    conn.xadd(keys.jobs("m"), {"v": "1", "job": "x"})
+    [row] = queue_rows(conn, keys)
+    assert row == {"model": "m", "length": 1, "lag": 1, "pending": 0, "dead": 0, "consumers": 1}
