@@ -51,7 +51,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from a plain mapping (the wire form); unknown keys are a ValueError."""
-        known = {f.name for f in fields(cls)}
+        known = _FIELD_NAMES
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; "
@@ -122,6 +122,9 @@ class SamplingParams:
                 raise ValueError("beam search is deterministic: leave temperature at 0 or 1")
             if self.early_stopping not in (True, False, "never"):
                 raise ValueError("early_stopping must be True, False or 'never'")
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 
 
 def _as_list(value: object, message: str) -> list[Any]:
