@@ -76,6 +76,10 @@ def metrics_bind_error(host: str, port: int, exc: OSError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The worker encodes one prompt at a time on its step thread: the tokenizer's thread pool
+    # only adds a hand-off per call (12 -> 22 us for a short prompt) and wakes threads on the
+    # cores Redis needs; round trips ran ~15-20% faster without it. A value the user set wins.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {args.name or default_name()} %(levelname)s "
                                "%(message)s")

@@ -64,3 +64,20 @@ def test_status_counts_only_consumers_whose_worker_is_alive(redis_server: RedisS
     conn.xadd(keys.jobs("m"), {"v": "1", "job": "x"})
     [row] = queue_rows(conn, keys)
     assert row == {"model": "m", "length": 1, "lag": 1, "pending": 0, "dead": 0, "consumers": 1}
+
+
+@pytest.mark.parametrize("given,expected", [(None, "false"), ("true", "true")])
+def test_the_worker_turns_the_tokenizer_thread_pool_off_unless_told(given: str | None,
+                                                                    expected: str,
+                                                                    tmp_path: Path) -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    if given is not None:
+        env["TOKENIZERS_PARALLELISM"] = given
+    code = ("import os, sys; from worker.main import main; "
+            f"rc = main(['--redis', 'redis://127.0.0.1:{free_port()}/0', '--model', "
+            f"{str(tmp_path / 'none')!r}]); print(rc, os.environ['TOKENIZERS_PARALLELISM'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout == f"2 {expected}\n", out.stderr
