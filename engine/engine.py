@@ -138,11 +138,10 @@ class Engine:
                 out = self._output(group)
                 if out.outputs or out.finished or not self.delta_outputs:
                     outputs[group.request_id] = out
-        for group in sched.finished:  # ended by the scheduler: it outgrew the cache
+        for group in sched.finished + self._rejected:  # ended by the scheduler, or refused
             for seq in group.seqs:
                 if seq.finish_reason != "stop":  # (those that stopped have their text)
                     self._final_text(seq, group.params)
-        for group in sched.finished + self._rejected:
             self._finish_group(group)
             outputs[group.request_id] = self._output(group)
         self._rejected = []

@@ -282,9 +282,9 @@ class Scheduler:
 
     def _never_fits_budget(self, group: SequenceGroup) -> bool:
         """Without chunked prefill a sequence longer than the token budget can never run."""
-        remaining = [s.num_tokens - s.num_computed_tokens for s in group.live_seqs()]
         if self.config.enable_chunked_prefill:
             return False  # (beam width over the budget: refused by Engine.add_request)
+        remaining = [s.num_tokens - s.num_computed_tokens for s in group.live_seqs()]
         if group.params.use_beam_search:
             return sum(remaining) > self.config.max_num_batched_tokens
         return any(r > self.config.max_num_batched_tokens for r in remaining)

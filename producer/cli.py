@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, decode_heartbeat
+from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, as_str, decode_heartbeat
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("producer.cli:submit_main", "submit one job and stream its text"),
@@ -219,7 +219,7 @@ def live_consumers(conn: Any, keys: Keys, model: str) -> int:
         names = [c["name"] for c in conn.xinfo_consumers(keys.jobs(model), keys.group)]
     except redis.ResponseError:  # no such stream or group yet
         return 0
-    return int(conn.exists(*(keys.worker(_text(n)) for n in names))) if names else 0
+    return int(conn.exists(*(keys.worker(as_str(n)) for n in names))) if names else 0
 
 
 def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
@@ -228,7 +228,7 @@ def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
                                      _type="stream")):
         key = raw.decode()
         model = key[len(keys.jobs_prefix):]
-        groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
+        groups = {as_str(g["name"]): g
                   for g in conn.xinfo_groups(key)}
         group = groups.get(keys.group, {})
         length = conn.xlen(key)
@@ -269,10 +269,6 @@ def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     if not rows:
         lines.append("(none)")
     return "\n".join(lines)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 if __name__ == "__main__":

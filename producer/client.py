@@ -17,6 +17,7 @@ from producer.protocol import (
     SUBMIT_LUA,
     JobSpec,
     Keys,
+    as_str,
     check_job_spec,
     decode_event,
     encode_job_entry,
@@ -30,10 +31,6 @@ DEFAULT_STREAM_TTL = 7 * 24 * 3600
 DEFAULT_CANCEL_TTL = 3600
 BLOCK_MS = 1000
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
-
-
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class JobError(RuntimeError):
@@ -125,7 +122,8 @@ class Client(ClientSettings):
         spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
         keys, args = self.submit_call(spec)
         entry_id = self._submit_script(keys=keys, args=args)
-        return Job(self, spec.id, model, created=entry_id is not None, entry_id=_text(entry_id))
+        return Job(self, spec.id, model, created=entry_id is not None,
+                   entry_id=None if entry_id is None else as_str(entry_id))
 
     def submit_many(self, prompts: Sequence[str | Sequence[int]],
                     params: dict[str, Any] | None = None, *, model: str,
@@ -137,14 +135,16 @@ class Client(ClientSettings):
             keys, args = self.submit_call(spec)
             self._submit_script(keys=keys, args=args, client=pipe)
         ids = pipe.execute()
-        return [Job(self, spec.id, model, created=eid is not None, entry_id=_text(eid))
+        return [Job(self, spec.id, model, created=eid is not None,
+                    entry_id=None if eid is None else as_str(eid))
                 for spec, eid in zip(specs, ids, strict=True)]
 
     def results(self, jobs: Sequence[Job], timeout: float | None = 60.0, *,
                 return_exceptions: bool = False) -> list[Any]:
         """[job.result() for job in jobs] in a few round trips: one XREAD reads up to 512
         reply streams. A failed job raises its JobError once all have ended (the first in
-        order), or with `return_exceptions` takes its place in the list."""
+        order), or with `return_exceptions` takes its place in the list (as does a TimeoutError
+        for each job still unfinished at `timeout`)."""
         return wait_results(self.blocking_redis, jobs, timeout, return_exceptions)
 
     def job(self, job_id: str, model: str = "") -> Job:
@@ -203,7 +203,7 @@ class Job:
             entries_by_key: Any = resp or []
             for _key, entries in entries_by_key:
                 for entry_id, fields in entries:
-                    last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    last_id = as_str(entry_id)
                     yield decode_event(fields[REPLY_FIELD.encode()])
             if end is not None and time.monotonic() >= end:
                 raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")

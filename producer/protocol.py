@@ -281,18 +281,18 @@ def encode_job_entry(spec: JobSpec, attempt_base: int = 0) -> dict[str, bytes]:
 def decode_job_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes],
                      max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> tuple[JobSpec, int]:
     """Strictly decode one job-stream entry -> (spec, attempt_base). Raises ProtocolError."""
-    raw: dict[str, bytes | str] = {_text(k): v for k, v in fields.items()}
+    raw: dict[str, bytes | str] = {as_str(k): v for k, v in fields.items()}
     unknown = sorted(set(raw) - {"v", "job", "a"})
     if unknown:
         raise ProtocolError("unknown_field", f"unknown entry field(s): {', '.join(unknown)}")
     if "v" not in raw or "job" not in raw:
         raise ProtocolError("missing_field", "a job entry needs the fields 'v' and 'job'")
-    if _text(raw["v"]) != str(PROTOCOL_VERSION):
-        raise ProtocolError("bad_version", f"protocol version {_text(raw['v'])[:20]!r} is not "
+    if as_str(raw["v"]) != str(PROTOCOL_VERSION):
+        raise ProtocolError("bad_version", f"protocol version {as_str(raw['v'])[:20]!r} is not "
                             f"supported (this worker speaks {PROTOCOL_VERSION})")
     attempt_base = 0
     if "a" in raw:
-        a = _text(raw["a"])
+        a = as_str(raw["a"])
         if not a.isdigit() or len(a) > 9:
             raise ProtocolError("wrong_type", f"entry field 'a' must be a small integer, got {a!r}")
         attempt_base = int(a)
@@ -564,7 +564,8 @@ def _pack(obj: object) -> bytes:
     return data
 
 
-def _text(value: bytes | str) -> str:
+def as_str(value: bytes | str) -> str:
+    """A Redis reply's bytes (ids, names, fields) as text; str passes through."""
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="replace")
     return value

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from producer.protocol import REPLY_FIELD, decode_event
+from producer.protocol import REPLY_FIELD, as_str, decode_event
 from producer.replies import ReplyDeduper
 
 if TYPE_CHECKING:
@@ -28,7 +28,8 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
                  return_exceptions: bool) -> list[Any]:
     """Each job's done event, in order. A job that ended in an error raises its JobError (the
     first in order, once every job has ended), or with `return_exceptions` stands in the list in
-    place of its result. TimeoutError when `timeout` seconds pass with jobs unfinished."""
+    place of its result. When `timeout` seconds pass with jobs unfinished: TimeoutError, or with
+    `return_exceptions` one in place of each unfinished job."""
     from producer.client import JobError, result_from_events
 
     end = None if timeout is None else time.monotonic() + timeout
@@ -59,10 +60,10 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
                 backoff = min(backoff * 2, 2.0)
                 continue
             for raw_key, entries in resp or []:
-                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                key = as_str(raw_key)
                 index, dedupe = waiting[key]
                 for entry_id, fields in entries:
-                    last[key] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    last[key] = as_str(entry_id)
                     dedupe.feed(decode_event(fields[REPLY_FIELD.encode()]))
                     if dedupe.finished:
                         break
@@ -73,8 +74,13 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
                     except JobError as exc:
                         out[index] = exc
         if waiting and end is not None and time.monotonic() >= end:
-            raise TimeoutError(f"{len(waiting)} of {len(jobs)} job(s) had no terminal event "
-                               f"within {timeout} s")
+            late = TimeoutError(f"{len(waiting)} of {len(jobs)} job(s) had no terminal event "
+                                f"within {timeout} s")
+            if not return_exceptions:
+                raise late
+            for index, _ in waiting.values():
+                out[index] = late
+            break
     if not return_exceptions:
         for value in out:
             if isinstance(value, JobError):

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from producer.protocol import Keys
+from producer.protocol import Keys, as_str
 from worker.config import WorkerConfig
 from worker.scripts import Scripts
 
@@ -66,7 +66,7 @@ class JobReader:
             self._backoff = min(self._backoff * 2, 2.0)
             return []
         entries: Any = resp or []
-        return [(_text(eid), fields, 1) for _key, items in entries for eid, fields in items]
+        return [(as_str(eid), fields, 1) for _key, items in entries for eid, fields in items]
 
     def orphans(self, held: set[str], count: int, scan: int) -> list[Entry]:
         """Up to `count` entries pending for this worker that it does not hold: delivered by a
@@ -78,8 +78,8 @@ class JobReader:
         try:
             rows: list[dict[str, Any]] = self.conn.xpending_range(
                 self.jobs_key, self.keys.group, "-", "+", scan, consumername=self.me)
-            wanted = [(_text(r["message_id"]), int(r["times_delivered"])) for r in rows
-                      if _text(r["message_id"]) not in held][:count]
+            wanted = [(as_str(r["message_id"]), int(r["times_delivered"])) for r in rows
+                      if as_str(r["message_id"]) not in held][:count]
             if not wanted:
                 return []
             pipe = self.conn.pipeline(transaction=False)
@@ -117,7 +117,7 @@ class JobReader:
         except redis.ResponseError as exc:  # NOGROUP / no such key: nothing to claim
             log.warning("reclaim refused: %s", exc)
             return []
-        return [(_text(eid), _pairs(flat), int(n)) for eid, flat, n in claimed]
+        return [(as_str(eid), _pairs(flat), int(n)) for eid, flat, n in claimed]
 
     def ensure_group(self, wait: bool, stop: threading.Event | None = None) -> bool:
         """Create the consumer group if it is missing. With `wait`, retry until Redis answers
@@ -141,10 +141,6 @@ class JobReader:
                 elif stop.wait(backoff):
                     return False
                 backoff = min(backoff * 2, 2.0)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:

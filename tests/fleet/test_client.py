@@ -196,3 +196,7 @@ def test_results_times_out_naming_how_many_jobs_are_unfinished(
     with pytest.raises(TimeoutError, match="^1 of 2 job\\(s\\) had no terminal event within "
                                            "0.3 s$"):
         client.results(jobs, timeout=0.3)
+    first, late = client.results(jobs, timeout=0.3, return_exceptions=True)
+    assert first["outputs"][0]["token_ids"] == [1]
+    assert isinstance(late, TimeoutError) and str(late) == (
+        "1 of 2 job(s) had no terminal event within 0.3 s")
