@@ -108,6 +108,14 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{validate_name(name, 'worker name')}"
 
+    def fence_prefix(self, model: str) -> str:
+        """Followed by a worker name: a counter bumped whenever pending entries of `model`'s
+        stream are claimed from that worker (worker/scripts.py)."""
+        return f"{self.prefix}:fence:{validate_name(model, 'model name')}:"
+
+    def fence(self, model: str, name: str) -> str:
+        return self.fence_prefix(model) + validate_name(name, "worker name")
+
 
 # --------------------------------------------------------------------------- type checks
 

@@ -19,10 +19,12 @@ from typing import Any
 import msgpack
 import redis
 
-from producer.protocol import encode_event
+from producer.protocol import as_str, encode_event
 from worker.scripts import Scripts
 
 log = logging.getLogger("genq.worker")
+_GONE_KEEP_S = 60.0
+_FENCE_RECHECK_S = 1.0  # the longest token writes go on without a full ownership check
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
 
 
@@ -59,7 +61,8 @@ class Batch:
 
 class Writer(threading.Thread):
     def __init__(self, conn: redis.Redis, jobs_key: str, dead_key: str, group: str, me: str,
-                 reply_ttl: int, dead_ttl: int, max_events_per_call: int = 1024) -> None:
+                 reply_ttl: int, dead_ttl: int, max_events_per_call: int = 1024,
+                 fence_key: str | None = None) -> None:
         super().__init__(name="genq-writer", daemon=True)
         self.conn = conn
         self.scripts = Scripts(conn)
@@ -70,6 +73,15 @@ class Writer(threading.Thread):
         self.reply_ttl = reply_ttl
         self.dead_ttl = dead_ttl
         self.max_events_per_call = max_events_per_call
+        # This worker's fence counter (Keys.fence; WRITE_EVENTS_LUA): while it reads as at the
+        # last full ownership check, token writes skip the check. None: check every write.
+        self.fence_key = fence_key
+        self._fence_seen = ""  # '' until a write has checked
+        self._fence_checked_at = -math.inf
+        # Attempts found lost: events the loop queued for them before it heard are dropped here
+        # (a write that skips the check would otherwise let them through).
+        # (entry, deliveries) -> when found.
+        self._gone: dict[tuple[str, int], float] = {}
         self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries no longer ours
         self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
         self.num_events_written = 0  # after coalescing
@@ -142,6 +154,7 @@ class Writer(threading.Thread):
                 self._write(batch)
                 return
             except _RETRYABLE as exc:
+                self._fence_seen = ""  # Redis may have restarted: check ownership again
                 log.warning("redis write failed (%s); retrying in %.2f s", exc, backoff)
             except redis.ResponseError as exc:  # e.g. NOGROUP after Redis lost its data
                 log.error("redis refused a write (%s); dropping it", exc)
@@ -157,20 +170,29 @@ class Writer(threading.Thread):
         try:
             self._write_once(batch)
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+            self._fence_seen = ""
             self.scripts.load()
             self._write_once(batch)
 
     def _write_once(self, batch: Batch) -> None:
         pipe = self.conn.pipeline(transaction=False)
         calls: list[str] = []
-        events = coalesce(batch.events)
-        num_events = sum(len(w.events) for w in events)
         now = time.monotonic()
+        events = coalesce(batch.events)
+        if self._gone:
+            events = [w for w in events if (w.entry_id, w.deliveries) not in self._gone]
+        num_events = sum(len(w.events) for w in events)
         refreshed: list[str] = []  # reply keys whose TTL this write sets
         stale = now - self.reply_ttl / 4
         ttl_at = self._ttl_set_at
+        if self.fence_key is None:
+            fence = "-"
+        elif now - self._fence_checked_at > _FENCE_RECHECK_S:
+            fence = ""  # a full check now and then, whatever the counter says
+        else:
+            fence = self._fence_seen
         for chunk in _chunks(events, num_events, self.max_events_per_call):
-            keys = [self.jobs_key]
+            keys = [self.jobs_key, self.fence_key or self.jobs_key]
             index: list[Any] = []
             blobs: list[bytes] = []
             for w in chunk:
@@ -187,7 +209,8 @@ class Writer(threading.Thread):
                     refreshed.append(w.reply_key)
                 keys.append(w.reply_key)
                 index.append([w.entry_id, w.deliveries, lengths, refresh])
-            args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs)]
+            args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs),
+                    fence]
             self.scripts.queue(pipe, self.scripts.write_events, keys, args)
             calls.append("events")
         step = self.max_events_per_call
@@ -203,11 +226,18 @@ class Writer(threading.Thread):
         for key in refreshed:  # only now: a retried write must set them again
             ttl_at[key] = now
         for kind, result in zip(calls, results, strict=True):
-            if kind == "events" and result:  # rare: entries reclaimed from us
-                lost = {e.decode() if isinstance(e, bytes) else e for e in result}
+            if kind != "events":
+                continue
+            seen, lost_ids = as_str(result[0]), result[1]
+            if seen != fence:  # the script checked every entry
+                self._fence_seen, self._fence_checked_at = seen, now
+            if lost_ids:  # rare: entries reclaimed from us
+                lost = {as_str(e) for e in lost_ids}
+                self._forget_gone(now)
                 for w in events:
                     if w.entry_id in lost:
                         ttl_at.pop(w.reply_key, None)
+                        self._gone[(w.entry_id, w.deliveries)] = now
                 for entry_id in lost:
                     self.lost.put(entry_id)
         self.num_events_written += num_events
@@ -216,6 +246,12 @@ class Writer(threading.Thread):
             if fin.reply_key is not None:
                 ttl_at.pop(fin.reply_key, None)
             self.finished.put(fin.entry_id)
+
+
+    def _forget_gone(self, now: float) -> None:
+        """Entries lost over a minute ago: the loop aborted them long since."""
+        if self._gone and now - next(iter(self._gone.values())) > _GONE_KEEP_S:
+            self._gone = {e: t for e, t in self._gone.items() if now - t <= _GONE_KEEP_S}
 
 
 def finish_args(finishes: list[FinishWrite], group: str, me: str, reply_ttl: int,

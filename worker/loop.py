@@ -30,6 +30,7 @@ from worker.heartbeat import Heartbeat
 from worker.io_thread import Batch, EventWrite, FinishWrite, Writer
 from worker.jobs import ActiveJob, terminal_event, token_events
 from worker.metrics import MetricsServer, WorkerMetrics
+from worker.quarantine import EXIT_ENGINE_BROKEN, EngineBroken, Quarantine
 from worker.reader import RETRYABLE, Entry, JobReader
 from worker.scripts import flatten_fields
 
@@ -56,7 +57,8 @@ class Worker:
         self.admission = Admission(cfg, self.keys, engine.tokenizer, engine.max_model_len)
         self.max_num_seqs = int(engine.config.max_num_seqs)
         self.writer = Writer(self.conn, self.jobs_key, self.keys.dead(cfg.served_model_name),
-                             self.keys.group, self.me, cfg.result_ttl, cfg.dead_ttl)
+                             self.keys.group, self.me, cfg.result_ttl, cfg.dead_ttl,
+                             fence_key=self.keys.fence(cfg.served_model_name, self.me))
         self.metrics = WorkerMetrics(cfg.served_model_name, self.me, self.jobs_key,
                                      self.keys.group)
         self.metrics.read_stats_from(lambda: (self._stats, len(self.jobs) + len(self.finishing)))
@@ -73,7 +75,9 @@ class Worker:
         self.early_cancels: dict[str, float] = {}  # job id -> when its cancel was published
         self.stop_requested = threading.Event()
         self.counters = {"admitted": 0, "completed": 0, "rejected": 0, "reclaimed": 0,
-                         "lost": 0, "cancelled": 0, "handed_back": 0}
+                         "lost": 0, "cancelled": 0, "handed_back": 0, "engine_failures": 0,
+                         "culprits": 0}
+        self.quarantine = Quarantine(self)  # engine.step() raised: find the job(s) at fault
         self._stats: dict[str, Any] = {}
         self._next_reclaim = 0.0
         self._next_cancel_sweep = 0.0
@@ -108,16 +112,24 @@ class Worker:
         # A restart under the same name re-reads its own pending entries first.
         self._claim(include_self=True, count=self.max_num_seqs)
         self._next_reclaim = time.monotonic() + self.cfg.reclaim_interval
-        while not self.stop_requested.is_set():
-            self._iteration(reading=True)
-        self._drain()
+        try:
+            while not self.stop_requested.is_set():
+                self._iteration(reading=True)
+            self._drain()
+        except EngineBroken as exc:  # not a job's fault: other workers reclaim our jobs
+            log.critical("the engine is broken: %s; exiting with status %d, this worker's %d "
+                         "held job(s) go to other workers once its heartbeat is gone", exc,
+                         EXIT_ENGINE_BROKEN, len(self.jobs))
+            self._stop_threads()
+            return EXIT_ENGINE_BROKEN
         return 0
 
     def _drain(self) -> None:
         """Stop reading, finish in-flight work within drain_timeout, hand back the rest."""
         log.info("draining %d job(s) (up to %.1f s)", len(self.jobs), self.cfg.drain_timeout)
         self._drain_end = time.monotonic() + self.cfg.drain_timeout
-        while self.jobs and not self._drain_expired():
+        # (jobs may be held outside the engine: those an isolation had not re-run yet)
+        while self.engine.has_unfinished() and not self._drain_expired():
             self._iteration(reading=False)
         batch = Batch()
         for job in list(self.jobs.values()):
@@ -128,6 +140,10 @@ class Worker:
             self.counters["handed_back"] += 1
             self.metrics.jobs_finished.inc(outcome="handed_back")
         self.writer.submit(batch)
+        self._stop_threads()
+
+    def _stop_threads(self) -> None:
+        """Land what the writer holds, then stop the threads (the heartbeat key goes last)."""
         if not self.writer.flush(timeout=_FINAL_FLUSH_S):
             log.warning("Redis did not take the last writes within %.0f s; the unacked jobs "
                         "will be reclaimed once this worker's heartbeat expires", _FINAL_FLUSH_S)
@@ -148,8 +164,12 @@ class Worker:
         if reading:
             self._read_new()
         if self.engine.has_unfinished():
-            outputs = self.engine.step()
-            self._emit(outputs)
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bad job never stops the worker: find it, end it
+                self.quarantine.isolate(exc)
+            else:
+                self._emit(outputs)
         elif not reading or self._capacity() == 0:
             time.sleep(0.002)  # nothing to step; wait for the writer to finish what is held
         self._stats = self.engine.stats()

@@ -17,7 +17,7 @@ import redis
 
 from producer.protocol import Keys, as_str
 from worker.config import WorkerConfig
-from worker.scripts import Scripts
+from worker.scripts import FENCE_TTL_S, Scripts
 
 log = logging.getLogger("genq.worker")
 RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
@@ -110,7 +110,8 @@ class JobReader:
             claimed = self.scripts.reclaim(
                 keys=[self.jobs_key],
                 args=[self.keys.group, self.me, self.keys.worker_prefix, count,
-                      "1" if include_self else "0"])
+                      "1" if include_self else "0",
+                      self.keys.fence_prefix(self.cfg.served_model_name), FENCE_TTL_S])
         except RETRYABLE as exc:
             log.warning("reclaim failed: %s", exc)
             return []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import redis
 
 from producer.protocol import (
     REPLY_FIELD,
@@ -15,7 +16,7 @@ from producer.protocol import (
 )
 from tests.fleet.harness import RedisServer
 from worker.io_thread import Batch, EventWrite, FinishWrite, Writer, coalesce, finish_args
-from worker.scripts import Scripts
+from worker.scripts import FENCE_TTL_S, Scripts
 
 KEYS = Keys()
 JOBS = KEYS.jobs("m")
@@ -96,12 +97,90 @@ def test_reclaim_takes_only_entries_of_workers_without_a_heartbeat(
     conn = redis_server.client()
     conn.xclaim(JOBS, "workers", "dead", 0, [entries[1]])
     conn.set(KEYS.worker("alive"), b"x", px=10_000)
-    claimed = Scripts(conn).reclaim(keys=[JOBS], args=["workers", "me", KEYS.worker_prefix, 10,
-                                                       "0"])
+    claimed = reclaim(conn, "me")
     assert [(c[0].decode(), c[2]) for c in claimed] == [(entries[1], 3)]
     owners = {p["message_id"].decode(): p["consumer"]
               for p in conn.xpending_range(JOBS, "workers", "-", "+", 10)}
     assert owners == {entries[0]: b"alive", entries[1]: b"me"}
+    # The victim's fence counter moved (its writer will check ownership again); the live
+    # worker's did not.
+    assert conn.get(KEYS.fence("m", "dead")) == b"1"
+    assert conn.get(KEYS.fence("m", "alive")) is None
+    assert 0 < conn.ttl(KEYS.fence("m", "dead")) <= FENCE_TTL_S
+
+
+def reclaim(conn: redis.Redis, me: str, include_self: bool = False) -> list[list[object]]:
+    return Scripts(conn).reclaim(keys=[JOBS], args=[  # type: ignore[no-any-return]
+        "workers", me, KEYS.worker_prefix, 10, "1" if include_self else "0",
+        KEYS.fence_prefix("m"), FENCE_TTL_S])
+
+
+def fenced_writer(conn: redis.Redis) -> Writer:
+    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60,
+                    fence_key=KEYS.fence("m", "me"))
+    writer.start()
+    return writer
+
+
+def write_tokens(writer: Writer, entry: str, pos: int) -> None:
+    writer.submit(Batch(events=[EventWrite(entry, 1, KEYS.reply("j0"),
+                                           [tokens_event(1, 0, pos, [5], "x")])]))
+    writer.flush()
+
+
+def test_a_claim_by_the_reclaim_script_stops_the_next_token_write(
+        redis_server: RedisServer) -> None:
+    """The token writes skip the ownership check while the fence counter stands still; the
+    reclaim that robs a (paused) worker moves it, so that worker's very next write is fenced."""
+    (entry,) = setup_group(redis_server, "me", 1)
+    conn = redis_server.client()
+    writer = fenced_writer(conn)
+    write_tokens(writer, entry, 0)  # the first write checks, and learns the counter (none: 0)
+    assert writer._fence_seen == "0"
+    write_tokens(writer, entry, 1)
+    assert writer.lost.empty()
+    assert [c[0].decode() for c in reclaim(conn, "thief")] == [entry]  # "me" has no heartbeat
+    write_tokens(writer, entry, 2)
+    assert writer.lost.get_nowait() == entry
+    assert writer._fence_seen == "1"
+    # Events the loop queued before it heard of the loss: this write skips the check (the
+    # counter stands still again), and the writer itself drops them.
+    write_tokens(writer, entry, 3)
+    writer.stop()
+    assert writer.lost.empty()
+    assert [e["pos"] for e in events_of(redis_server, "j0")] == [0, 1]
+
+
+def test_a_restart_under_the_same_name_fences_the_old_process(redis_server: RedisServer) -> None:
+    """The new process re-claims its own entries (delivery count 2): the old one, paused with
+    delivery count 1, must not write again."""
+    (entry,) = setup_group(redis_server, "me", 1)
+    conn = redis_server.client()
+    old = fenced_writer(conn)
+    write_tokens(old, entry, 0)
+    assert [(c[0].decode(), c[2]) for c in reclaim(conn, "me", include_self=True)] == [
+        (entry, 2)]
+    write_tokens(old, entry, 1)
+    old.stop()
+    assert old.lost.get_nowait() == entry
+    assert [e["pos"] for e in events_of(redis_server, "j0")] == [0]
+
+
+def test_a_claim_the_counter_missed_is_caught_by_the_periodic_full_check(
+        redis_server: RedisServer) -> None:
+    """An XCLAIM by hand does not move the counter; within a second the writer checks anyway."""
+    (entry,) = setup_group(redis_server, "me", 1)
+    conn = redis_server.client()
+    writer = fenced_writer(conn)
+    write_tokens(writer, entry, 0)
+    conn.xclaim(JOBS, "workers", "thief", 0, [entry])
+    write_tokens(writer, entry, 1)  # not checked: lands (the client drops a stale attempt's)
+    assert writer.lost.empty()
+    writer._fence_checked_at -= 2.0  # a second later
+    write_tokens(writer, entry, 2)
+    writer.stop()
+    assert writer.lost.get_nowait() == entry
+    assert [e["pos"] for e in events_of(redis_server, "j0")] == [0, 1]
 
 
 def test_reply_ttl_is_set_on_the_first_events_and_then_only_now_and_then(
