@@ -7,8 +7,9 @@
     client holds the result.
 (c) token events: 256 running requests on one worker (engine-bound on a CPU): tokens streamed/s
     and the tokens entries/s that carried them (when the writer falls behind Redis it sends a
-    sequence's tokens of several steps in one entry); and the writer thread alone with 256 owned
-    entries (the Redis-side ceiling of the fenced writes).
+    sequence's tokens of several steps in one entry); the writer thread alone with 256 owned
+    entries (the Redis-side ceiling of the fenced writes); and the same 256 requests on the
+    engine alone in this process, with no Redis (the model's own ceiling on this machine).
 
     python -m benchmarks.fleet_vs_celery [--jobs 2000] [--rounds 3] [--model DIR | --minimal-model]
                                          [--json out.json]
@@ -129,7 +130,8 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
     entry_ids = [eid.decode() for eid, _ in got[0][1]]
     figures = {}
     for mode in ("per_step", "free_running"):
-        writer = Writer(conn, jobs_key, keys.dead("w"), "workers", "me", 60, 60)
+        writer = Writer(conn, jobs_key, keys.dead("w"), "workers", "me", 60, 60,
+                        fence_key=keys.fence("w", "me"))  # as a worker's
         writer.start()
         start = time.perf_counter()
         for step in range(steps):
@@ -145,7 +147,7 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
                          "token_events_per_s": steps * num_jobs / elapsed,
                          "xadds": writer.num_events_written}
         conn.delete(*[keys.reply(f"j{i}") for i in range(num_jobs)])
-    conn.delete(jobs_key)
+    conn.delete(jobs_key, keys.fence("w", "me"))
     return figures
 
 
@@ -186,6 +188,37 @@ def celery_round_trips(jobs: int) -> dict[str, Any]:
     return {"jobs": jobs, "wall_s": wall, "jobs_per_s": jobs / wall,
             "submit_to_started_ms": percentiles(to_started),
             "submit_to_done_ms": percentiles(to_done)}
+
+
+def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
+                 rounds: int = 2) -> list[dict[str, Any]]:
+    """The same 256 requests on the worker's engine configuration, in this process, with no
+    Redis: the ceiling the fleet's streaming figure is measured against (one thread, as the
+    worker has). Run while the worker is idle."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    threads = torch.get_num_threads()
+    engine = Engine(EngineConfig(model=str(model_dir), num_gpu_blocks_override=8192,
+                                 swap_space=0.01, num_threads=1, output_kind="delta"))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    figures = []
+    for r in range(rounds + 1):  # the first round warms up
+        for i in range(num_jobs):
+            engine.add_request(f"r{r}-{i}", "the quick brown fox", params)
+        tokens = 0
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = time.perf_counter() - start
+        if r:
+            figures.append({"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed})
+    torch.set_num_threads(threads)
+    return figures
 
 
 def tiny_model(tmp: Path, minimal: bool = False) -> Path:
@@ -238,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         figures: dict[str, Any] = {"rounds": rounds,
                                    "running_256": [genq_running_256(client)
                                                    for _ in range(args.rounds)],
-                                   "writer": bench_writer(url)}
+                                   "writer": bench_writer(url),
+                                   "engine_alone_256": engine_alone(model)}
         report(figures)
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
@@ -301,6 +335,9 @@ def report(f: dict[str, Any]) -> None:
         print(f"256 running requests on one CPU worker: {many['tokens_per_s']:.0f} tokens/s "
               f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
               f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
+    for alone in f["engine_alone_256"]:
+        print(f"the same 256 requests on the engine alone (no Redis, one thread): "
+              f"{alone['tokens_per_s']:.0f} tokens/s")
     w = f["writer"]
     for mode in ("per_step", "free_running"):
         m = w[mode]
