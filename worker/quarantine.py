@@ -21,7 +21,9 @@ raised, and the worker exits non-zero so that other workers reclaim its jobs (as
 process dies).
 
 The normal path pays nothing for this: the loop calls in here only from its except clause around
-step(), and an isolation runs its own steps (below) until every suspect has ended.
+step(), and an isolation runs its own steps (below) until every suspect has ended. Those steps
+are the loop's iteration without reading: they use the Worker's own writer feedback, cancels,
+deadlines, _emit and _end_early (this module is worker/loop.py's friend, not a library).
 """
 
 from __future__ import annotations
