@@ -60,6 +60,7 @@ class Engine:
             raise ValueError("no memory left for the KV cache; lower the model size or raise "
                              "gpu_memory_utilization / kv_cache_memory")
         num_host = config.swap_space_bytes // block_bytes
+        self._num_blocks = (num_blocks, num_host)
         self.block_manager = BlockManager(num_blocks, num_host, config.block_size,
                                           config.watermark)
         self.kv_cache = KVCache(self.model.num_layers, num_blocks, num_host,  # type: ignore
@@ -82,6 +83,10 @@ class Engine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         token_ids = self._tokenize(prompt)
+        out_of_vocab = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if out_of_vocab:  # (never sampled, and banning it under min_tokens would index past)
+            raise ValueError(f"stop_token_ids holds {out_of_vocab[0]}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(next(self._seq_ids), 0, token_ids, len(token_ids))
         init_offsets(seq)
@@ -113,6 +118,21 @@ class Engine:
         self.scheduler.abort(request_id)
         self._rejected = [g for g in self._rejected if g is not group]
         return True
+
+    def abort_all(self) -> None:
+        """Drop every request and start over with empty queues and every KV block free; the
+        model and the cache tensors stay. Safe whatever state a failed step() left behind
+        (abort() trusts the scheduler's queues and block tables, which a step that raised
+        half-way may have left inconsistent)."""
+        counters = self.scheduler.counters
+        self._groups.clear()
+        self._rejected = []
+        num_blocks, num_host = self._num_blocks
+        self.block_manager = BlockManager(num_blocks, num_host, self.config.block_size,
+                                          self.config.watermark)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler.counters = counters  # (cumulative: metrics never go backwards)
+        self.runner.block_manager = self.block_manager
 
     def has_unfinished(self) -> bool:
         return bool(self._groups)

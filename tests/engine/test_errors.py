@@ -117,3 +117,43 @@ def test_request_that_outgrows_the_cache_ends_with_length_and_its_text(tiny_llam
     text = AutoTokenizer.from_pretrained(str(tiny_llama)).decode(expected)
     assert (out.token_ids, out.text, out.finish_reason) == (expected, text, "length")
     assert llm.stats()["num_infeasible"] == 1
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_llama, make_llm):
+    """Banned under min_tokens, such an id indexed past the logits and made step() raise for
+    the whole batch."""
+    llm = make_llm(tiny_llama)
+    engine = llm.engine
+    with pytest.raises(ValueError, match=rf"stop_token_ids holds 1000000, outside the "
+                                         rf"vocabulary \[0, {engine.vocab_size}\)"):
+        engine.add_request("bad", [5, 6, 7], SamplingParams(min_tokens=2, max_tokens=4,
+                                                            stop_token_ids=[3, 1_000_000]))
+    assert not engine.has_unfinished()
+
+
+def test_abort_all_recovers_from_a_step_that_raised_inside_the_scheduler(tiny_llama):
+    """A failure half-way through scheduling leaves groups in no queue (abort() cannot find
+    them, their blocks stay taken); abort_all starts over clean and the engine serves again."""
+    engine = Engine(EngineConfig(model=str(tiny_llama), block_size=16, swap_space=0.01))
+    short = random_prompts(2, seed=21, lo=4, hi=6)
+    full_block = random_prompts(1, seed=22, lo=16, hi=16)  # its first decode needs a new block
+    for i, prompt in enumerate(short + full_block):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    engine.step()  # the prefills
+
+    def broken_plan(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    engine.scheduler._plan = broken_plan  # the slow path, after the fast path took r0 and r1
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.stats()["num_free_blocks"] < engine.stats()["num_total_blocks"]
+    engine.abort_all()
+    assert_drained(engine)
+    assert engine.stats()["num_running"] == 0
+    engine.add_request("again", short[0], GREEDY)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].outputs[0].token_ids == hf_greedy(tiny_llama, [short[0]], 8)[0]
+    assert_drained(engine)
