@@ -23,7 +23,7 @@ from producer.protocol import as_str, encode_event
 from worker.scripts import Scripts
 
 log = logging.getLogger("genq.worker")
-_GONE_KEEP_S = 60.0
+_GONE_KEEP_S = 10.0
 _FENCE_RECHECK_S = 1.0  # the longest token writes go on without a full ownership check
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
 
@@ -78,9 +78,9 @@ class Writer(threading.Thread):
         self.fence_key = fence_key
         self._fence_seen = ""  # '' until a write has checked
         self._fence_checked_at = -math.inf
-        # Attempts found lost: events the loop queued for them before it heard are dropped here
-        # (a write that skips the check would otherwise let them through).
-        # (entry, deliveries) -> when found.
+        # Attempts found lost, or finished here: events still queued for them are dropped (a
+        # write that skips the ownership check would let them through, after the terminal
+        # event). (entry, deliveries) -> when, oldest first; kept _GONE_KEEP_S.
         self._gone: dict[tuple[str, int], float] = {}
         self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries no longer ours
         self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
@@ -136,10 +136,14 @@ class Writer(threading.Thread):
                 except queue.Empty:
                     break
             merged = Batch()
+            ended: set[tuple[str, int]] = set()  # attempts a batch merged so far finishes
             for batch in batches:
                 if batch is not None:
-                    merged.events += batch.events
+                    merged.events += [w for w in batch.events
+                                      if (w.entry_id, w.deliveries) not in ended] \
+                        if ended else batch.events
                     merged.finishes += batch.finishes
+                    ended.update((f.entry_id, f.deliveries) for f in batch.finishes)
             if merged:
                 self._write_until_done(merged)
             for _ in batches:
@@ -233,7 +237,6 @@ class Writer(threading.Thread):
                 self._fence_seen, self._fence_checked_at = seen, now
             if lost_ids:  # rare: entries reclaimed from us
                 lost = {as_str(e) for e in lost_ids}
-                self._forget_gone(now)
                 for w in events:
                     if w.entry_id in lost:
                         ttl_at.pop(w.reply_key, None)
@@ -242,16 +245,23 @@ class Writer(threading.Thread):
                     self.lost.put(entry_id)
         self.num_events_written += num_events
         self.num_token_events_in += sum(len(w.events) for w in batch.events)
+        gone = self._gone
         for fin in batch.finishes:
             if fin.reply_key is not None:
                 ttl_at.pop(fin.reply_key, None)
+            gone[(fin.entry_id, fin.deliveries)] = now
             self.finished.put(fin.entry_id)
+        self._forget_gone(now)
 
 
     def _forget_gone(self, now: float) -> None:
-        """Entries lost over a minute ago: the loop aborted them long since."""
-        if self._gone and now - next(iter(self._gone.values())) > _GONE_KEEP_S:
-            self._gone = {e: t for e, t in self._gone.items() if now - t <= _GONE_KEEP_S}
+        """Attempts that ended or were lost long enough ago that nothing is queued for them."""
+        gone = self._gone
+        while gone:
+            oldest = next(iter(gone))
+            if now - gone[oldest] <= _GONE_KEEP_S:
+                return
+            del gone[oldest]
 
 
 def finish_args(finishes: list[FinishWrite], group: str, me: str, reply_ttl: int,

@@ -274,29 +274,45 @@ class Worker:
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue
-            had_first = job.first_token_at is not None
-            events, new_tokens = token_events(job, out)
-            if new_tokens:
-                step_tokens += new_tokens
-                previous = last_at.get(job.entry_id)
-                if not had_first and job.first_token_at is not None:
-                    m.ttft.observe(job.first_token_at - job.admitted_at)
-                elif previous is not None:
-                    intervals[previous] = intervals.get(previous, 0) + 1
-                last_at[job.entry_id] = now
-            if events:
-                events_out.append(EventWrite(job.entry_id, job.deliveries, job.reply_key, events))
-            if out.finished:
-                self.counters["completed"] += 1
-                failed = out.error is not None or any(c.finish_reason == "error"
-                                                     for c in out.outputs)
-                m.jobs_finished.inc(outcome="engine_error" if failed else "done")
-                self._finish(job, terminal_event(job, out), batch)
+            try:
+                had_first = job.first_token_at is not None
+                events, new_tokens = token_events(job, out)
+                if new_tokens:
+                    step_tokens += new_tokens
+                    previous = last_at.get(job.entry_id)
+                    if not had_first and job.first_token_at is not None:
+                        m.ttft.observe(job.first_token_at - job.admitted_at)
+                    elif previous is not None:
+                        intervals[previous] = intervals.get(previous, 0) + 1
+                    last_at[job.entry_id] = now
+                if events:
+                    events_out.append(EventWrite(job.entry_id, job.deliveries, job.reply_key,
+                                                 events))
+                if out.finished:
+                    self.counters["completed"] += 1
+                    failed = out.error is not None or any(c.finish_reason == "error"
+                                                         for c in out.outputs)
+                    m.jobs_finished.inc(outcome="engine_error" if failed else "done")
+                    self._finish(job, terminal_event(job, out), batch)
+            except Exception as exc:  # building this job's events failed: end it, not us
+                self._output_failed(job, exc, batch)
         for previous, count in intervals.items():  # most jobs share the previous step's time
             m.itl.observe_many(now - previous, count)
         if step_tokens:
             m.tokens.inc(step_tokens)
         self.writer.submit(batch)
+
+    def _output_failed(self, job: ActiveJob, exc: Exception, batch: Batch) -> None:
+        log.exception("building the events of job %s (entry %s) failed; ending it with "
+                      "engine_error", job.job_id, job.entry_id, exc_info=exc)
+        if job.entry_id not in self.jobs:
+            return  # it was finished already (the error came after its terminal event)
+        self.engine.abort(job.entry_id)
+        self.metrics.jobs_finished.inc(outcome="engine_error")
+        message = f"the worker failed on this job's output: {type(exc).__name__}: {exc}"
+        # In this step's batch, after its events: the terminal event stays the last one.
+        self._finish(job, encode_event(error_event(job.attempt, "engine_error",
+                                                   message[:500])), batch)
 
     def _finish(self, job: ActiveJob, event: bytes | None, batch: Batch,
                 readd_fields: list[object] | None = None) -> None:

@@ -297,3 +297,37 @@ def test_a_job_with_a_stop_token_outside_the_vocabulary_is_refused_by_a_genq_wor
     assert info["num_free_blocks"] == info["num_total_blocks"]
     assert (info["engine_failures"], info["culprits"], info["rejected"]) == (0, 0, 1)
     assert proc.terminate() == 0
+
+
+def test_a_job_whose_events_cannot_be_built_ends_with_engine_error_and_the_others_complete(
+        redis_server: RedisServer, tiny_llama: Path, thread_workers: list[ThreadWorker],
+        offline: Callable[..., list[Expected]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step is fine but turning one job's output into events raises (in the worker, after
+    the engine): that job ends with engine_error, its terminal event last in its stream."""
+    import worker.loop
+
+    real = worker.loop.token_events
+
+    def failing(job: Any, output: Any) -> Any:
+        if job.spec.params.get("seed") == MARK and sum(map(len, job.token_ids.values())) >= 3:
+            raise ZeroDivisionError("no events for this one")
+        return real(job, output)
+
+    monkeypatch.setattr(worker.loop, "token_events", failing)
+    good = GOOD[:3]
+    expected = offline([p for p, _ in good], [params for _, params in good])
+    jobs = submit(redis_server, [good[0], poisoned(MARK), good[1], good[2]])
+    tw = ThreadWorker(redis_server, tiny_llama, "inproc")
+    thread_workers.append(tw)
+    error = engine_error(jobs[1])
+    assert error.message == ("the worker failed on this job's output: ZeroDivisionError: no "
+                             "events for this one")
+    raw = reply_events(redis_server, jobs[1].id)
+    assert [e["type"] for e in raw] == ["started", "tokens", "tokens", "tokens", "error"]
+    for job, want in zip([jobs[0], jobs[2], jobs[3]], expected, strict=True):
+        result = job.result(timeout=60)
+        assert as_expected(result) == want
+        assert_streamed_once(redis_server, job, result)
+    assert tw.worker.counters["engine_failures"] == 0
+    assert_clean(redis_server, tw)
+    assert tw.stop() == 0

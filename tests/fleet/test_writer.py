@@ -241,3 +241,28 @@ def test_writes_go_on_after_redis_forgets_the_scripts(redis_server: RedisServer)
     assert writer.error is None
     assert [(e["type"], e.get("pos")) for e in events_of(redis_server, "j0")] == [
         ("tokens", 0), ("tokens", 1), ("tokens", 2), ("error", None)]
+
+
+def test_nothing_is_written_after_an_attempts_terminal_event(redis_server: RedisServer) -> None:
+    """Token writes skip the ownership check, so the writer itself keeps the rule the fenced
+    check used to: events queued for an attempt after its finish (in the same merged round
+    trip, or later) are dropped, and the terminal event stays the reply stream's last entry."""
+    (entry,) = setup_group(redis_server, "me", 1)
+    conn = redis_server.client()
+    reply = KEYS.reply("j0")
+    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60,
+                    fence_key=KEYS.fence("m", "me"))
+    fin = FinishWrite(entry, 1, reply, encode_event(error_event(1, "x", "end")))
+    late = [Batch(events=[EventWrite(entry, 1, reply, [tokens_event(1, 0, pos, [5], "x")])])
+            for pos in (1, 2)]
+    writer.submit(Batch(events=[EventWrite(entry, 1, reply, [tokens_event(1, 0, 0, [5], "x")])],
+                        finishes=[fin]))
+    writer.submit(late[0])  # queued before the writer runs: merged behind the finish
+    writer.start()
+    writer.flush()
+    writer.submit(late[1])  # a later round trip
+    writer.flush()
+    writer.stop()
+    assert [(e["type"], e.get("pos")) for e in events_of(redis_server, "j0")] == [
+        ("tokens", 0), ("error", None)]
+    assert writer.lost.empty()
