@@ -23,7 +23,7 @@ from producer.protocol import (
 )
 from producer.results import _SCRIPT_REFUSED, pass_interval
 from tests.fleet.harness import RedisServer
-from tests.security.secure_redis import ACL_RULES, PASSWORDS
+from tests.security.secure_redis import ACL_RULES, PASSWORDS, RESULTS_SELECTOR
 
 KEYS = Keys()
 GARBAGE = b"\xc1 not an event"  # 0xc1 is never valid MessagePack
@@ -51,19 +51,24 @@ def streamed(server: RedisServer, job_id: str, ids: list[int]) -> dict[str, obje
     return end
 
 
-def producer_url(server: RedisServer) -> str:
-    """A URL for user genq-producer with the README's producer ACL lines (made now: a restarted
-    server has forgotten it)."""
+def producer_url(server: RedisServer, results_script: bool = True) -> str:
+    """A URL for user genq-producer with the README's producer ACL lines, or without
+    `results_script` those lines less the selector for Client.results' script (an ACL written
+    before it) (made now: a restarted server has forgotten it)."""
+    rules = [r for r in ACL_RULES["genq-producer"] if results_script or r != RESULTS_SELECTOR]
     server.client().execute_command("ACL", "SETUSER", "genq-producer", "reset", "on",
-                                    ">" + PASSWORDS["genq-producer"], *ACL_RULES["genq-producer"])
+                                    ">" + PASSWORDS["genq-producer"], *rules)
     return f"redis://genq-producer:{PASSWORDS['genq-producer']}@127.0.0.1:{server.port}/0"
 
 
-@pytest.fixture(params=["script", "xread-only"])
+@pytest.fixture(params=["script", "producer-acl", "xread-only"])
 def client(request: pytest.FixtureRequest, redis_server: RedisServer) -> Iterator[Client]:
-    """A Client as the default user (the script path), or as a user with the README's producer
-    ACL lines, which may not run the script (the XREAD-only path)."""
-    url = redis_server.url if request.param == "script" else producer_url(redis_server)
+    """A Client as the default user or the README's producer user (the script path), or as a
+    producer whose ACL lacks the script's selector (the XREAD-only path)."""
+    url = {"script": lambda: redis_server.url,
+           "producer-acl": lambda: producer_url(redis_server),
+           "xread-only": lambda: producer_url(redis_server, results_script=False)}[
+        request.param]()
     with Client(url) as c:
         yield c
 
@@ -165,10 +170,10 @@ def test_it_waits_through_a_redis_restart(redis_server: RedisServer, client: Cli
     assert [r["outputs"][0]["token_ids"] for r in results] == [[i] for i in range(10)]
 
 
-def test_the_producer_acl_is_refused_the_script_once_per_connection(
+def test_an_acl_without_the_scripts_selector_is_refused_it_once_per_connection(
         redis_server: RedisServer) -> None:
     admin = redis_server.client()
-    url = producer_url(redis_server)
+    url = producer_url(redis_server, results_script=False)
     admin.execute_command("ACL", "LOG", "RESET")
     end = streamed(redis_server, "p1", [3, 1])
     with Client(url) as client:
@@ -178,9 +183,11 @@ def test_the_producer_acl_is_refused_the_script_once_per_connection(
     log = admin.acl_log()
     assert [(e["reason"], e["object"], e["username"], e["count"]) for e in log] == [
         ("key", "genq:reply:p1", "genq-producer", 1)]
-    with Client(redis_server.url) as client:  # the default user runs it
+    admin.execute_command("ACL", "LOG", "RESET")
+    with Client(producer_url(redis_server)) as client:  # the README's lines allow it
         assert client.results([client.job("p1")], timeout=10) == [end]
         assert client.blocking_redis not in _SCRIPT_REFUSED
+    assert admin.acl_log() == []
 
 
 def test_a_job_given_twice_is_refused_before_any_read(redis_server: RedisServer) -> None:

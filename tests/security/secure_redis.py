@@ -36,20 +36,23 @@ PASSWORDS = {"genq-worker": "worker-secret", "genq-producer": "producer-secret",
 # script, read reply streams, set cancel flags and publish cancels.
 # The gateway: a producer that also lists live workers' heartbeats and reads queue depths.
 _SUBMIT = "(~genq:jobs:* ~genq:idem:* +evalsha +xadd +set +expire)"
+RESULTS_SELECTOR = "(~genq:reply:* +evalsha +xrevrange)"  # Client.results' last-entry script
 ACL_RULES: dict[str, tuple[str, ...]] = {
     "genq-worker": (
         "resetkeys", "~genq:jobs:*", "~genq:reply:*", "~genq:dead:*", "~genq:worker:*",
-        "%R~genq:cancel:*", "resetchannels", "&genq:cancel", "-@all",
+        "~genq:fence:*", "%R~genq:cancel:*", "resetchannels", "&genq:cancel", "-@all",
         "+xreadgroup", "+xack", "+xdel", "+xadd", "+xclaim", "+xpending", "+xinfo|consumers",
         "+xgroup|create", "+xgroup|delconsumer", "+evalsha", "+script|load", "+script|exists",
-        "+set", "+exists", "+expire", "+del", "+subscribe"),
+        "+set", "+get", "+incr", "+exists", "+expire", "+del", "+subscribe"),
     "genq-producer": (
         "resetkeys", "%R~genq:reply:*", "%W~genq:cancel:*", "resetchannels", "&genq:cancel",
-        "-@all", "+xread", "+set", "+publish", "+script|load", "+script|exists", _SUBMIT),
+        "-@all", "+xread", "+set", "+publish", "+script|load", "+script|exists", _SUBMIT,
+        RESULTS_SELECTOR),
     "genq-gateway": (
         "resetkeys", "%R~genq:reply:*", "%W~genq:cancel:*", "%R~genq:worker:*", "resetchannels",
         "&genq:cancel", "-@all", "+xread", "+set", "+publish", "+script|load",
-        "+script|exists", "+scan", "+mget", _SUBMIT, "(%R~genq:jobs:* +xinfo|groups +xlen)"),
+        "+script|exists", "+scan", "+mget", _SUBMIT, RESULTS_SELECTOR,
+        "(%R~genq:jobs:* +xinfo|groups +xlen)"),
 }
 
 
