@@ -253,7 +253,6 @@ class Writer(threading.Thread):
             self.finished.put(fin.entry_id)
         self._forget_gone(now)
 
-
     def _forget_gone(self, now: float) -> None:
         """Attempts that ended or were lost long enough ago that nothing is queued for them."""
         gone = self._gone
