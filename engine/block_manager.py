@@ -3,15 +3,21 @@
 Each sequence owns a block table (its logical blocks -> physical block ids). Sequences of one
 request share blocks after a fork (ref count > 1); the first write into a shared block copies it
 (copy-on-write). Swapping moves a whole group between pools, copying each shared block once so the
-sharing survives the round trip. Pure Python: no torch.
+sharing survives the round trip. With prefix caching (engine/prefix_cache.py) a new sequence
+starts from the cached blocks its prompt begins with, and each full prompt block joins the cache
+once its tokens are computed. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine.sequence import Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from engine.prefix_cache import CachingAllocator
 
 
 class AllocStatus(enum.Enum):
@@ -77,9 +83,13 @@ class BlockAllocator:
 
 class BlockManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
-        self.device = BlockAllocator(num_device_blocks)
+        self.cache: CachingAllocator | None = None
+        if enable_prefix_caching:
+            from engine.prefix_cache import CachingAllocator
+            self.cache = CachingAllocator(num_device_blocks, block_size)
+        self.device: BlockAllocator = self.cache or BlockAllocator(num_device_blocks)
         self.host = BlockAllocator(num_host_blocks)
         self.watermark_blocks = int(watermark * num_device_blocks)
         self.tables: dict[int, list[int]] = {}  # seq_id -> device blocks
@@ -98,14 +108,55 @@ class BlockManager:
 
     # -- admission -------------------------------------------------------------------------------
     def blocks_to_allocate(self, group: SequenceGroup) -> int:
+        """Blocks the group's tables take, cached ones included."""
         return sum(self.blocks_for(s.num_tokens) for s in group.live_seqs())
 
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        return self.fit(self.blocks_to_allocate(group))
+    def prefix_hits(self, group: SequenceGroup) -> list[list[int]] | None:
+        """Per live sequence, the cached blocks its prompt starts with; None without caching."""
+        if self.cache is None:
+            return None
+        return self.cache.hits(group.live_seqs(), self.num_total_blocks - self.watermark_blocks)
 
-    def allocate(self, group: SequenceGroup) -> None:
-        for seq in group.live_seqs():
-            self.tables[seq.seq_id] = self.device.allocate_many(self.blocks_for(seq.num_tokens))
+    def cached_tokens(self, group: SequenceGroup, hits: list[list[int]] | None) -> list[int]:
+        """Per live sequence, the tokens `hits` hold: all but the last token at most (its logits
+        are needed, so a wholly cached prompt still runs one token)."""
+        if hits is None:
+            return [0] * len(group.live_seqs())
+        return [min(len(h) * self.block_size, s.num_tokens - 1)
+                for s, h in zip(group.live_seqs(), hits)]
+
+    def can_allocate(self, group: SequenceGroup,
+                     hits: list[list[int]] | None = None) -> AllocStatus:
+        if not hits or not any(hits):
+            return self.fit(self.blocks_to_allocate(group))
+        if self.blocks_to_allocate(group) > self.num_total_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER  # (as without the cache: it may be evicted)
+        assert self.cache is not None  # (hits come from it)
+        needed = self.cache.blocks_needed(group.live_seqs(), hits)
+        if self.device.num_free - needed >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup, hits: list[list[int]] | None = None) -> int:
+        """Tables for the group's live sequences, starting from the cached blocks `hits` (whose
+        tokens then count as computed); returns the number of cached tokens."""
+        seqs = group.live_seqs()
+        if self.cache is None:
+            for seq in seqs:
+                self.tables[seq.seq_id] = self.device.allocate_many(
+                    self.blocks_for(seq.num_tokens))
+            return 0
+        hits = hits or [[] for _ in seqs]
+        for blocks in hits:  # hits first: no fresh allocation may evict them
+            for block in blocks:
+                self.cache.take(block)
+        cached = self.cached_tokens(group, hits)
+        for seq, blocks, num_cached in zip(seqs, hits, cached):
+            fresh = self.device.allocate_many(self.blocks_for(seq.num_tokens) - len(blocks))
+            self.tables[seq.seq_id] = blocks + fresh
+            seq.num_computed_tokens = num_cached
+            self.cache.start_filling(seq, num_cached // self.block_size)
+        return sum(cached)
 
     def fit(self, needed: int) -> AllocStatus:
         """Whether `needed` fresh device blocks fit: now, later, or never (the watermark kept)."""
@@ -122,8 +173,9 @@ class BlockManager:
         end = seq.num_computed_tokens + num_new_tokens
         needed = max(0, self.blocks_for(end) - len(table))
         first = seq.num_computed_tokens // self.block_size
+        cached = self.cache.hash_of if self.cache is not None else {}
         for i in range(first, min(len(table), self.blocks_for(end))):
-            if self.device.ref_counts[table[i]] > 1:
+            if self.device.ref_counts[table[i]] > 1 or table[i] in cached:
                 needed += 1
         return needed
 
@@ -133,9 +185,12 @@ class BlockManager:
         end = seq.num_computed_tokens + num_new_tokens
         copies = []
         first = seq.num_computed_tokens // self.block_size
+        # Shared blocks are copied on write, and so are cached ones (a wholly cached prompt's
+        # last block): a cached block's contents never change.
+        cached = self.cache.hash_of if self.cache is not None else {}
         for i in range(first, min(len(table), self.blocks_for(end))):
             old = table[i]
-            if self.device.ref_counts[old] > 1:
+            if self.device.ref_counts[old] > 1 or old in cached:
                 table[i] = self.device.allocate()
                 self.device.decref(old)
                 copies.append((old, table[i]))
@@ -153,10 +208,15 @@ class BlockManager:
         for block in table:
             self.device.incref(block)
         self.tables[child.seq_id] = table
+        if self.cache is not None:
+            self.cache.fork(parent, child)
 
     def free(self, seq: Sequence) -> None:
+        if self.cache is not None:  # cache what it computed, and forget its prompt
+            self.cache.stop_filling(seq, self.tables.get(seq.seq_id), forget=True)
         # Last block first: the free stack then hands the run back in ascending order, so the
         # next prompt's blocks are contiguous in memory (the CPU decode kernel streams them).
+        # (Cached blocks become evictable in that order too: a prompt's tail is evicted first.)
         table = self.tables.pop(seq.seq_id, None)
         if table:
             self.device.decref_all(reversed(table))
@@ -174,7 +234,11 @@ class BlockManager:
         return self.num_group_blocks(group) <= self.host.num_free
 
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move the group's blocks to host swap space; returns (device, host) pairs to copy."""
+        """Move the group's blocks to host swap space; returns (device, host) pairs to copy.
+        Cached device blocks stay cached (evictable) after the copy."""
+        if self.cache is not None:
+            for seq in group.live_seqs():
+                self.cache.stop_filling(seq, self.tables.get(seq.seq_id))
         return self._move(group, self.tables, self.host_tables, self.device, self.host)
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
@@ -183,8 +247,14 @@ class BlockManager:
         return self.fit(len(held) + len(group.live_seqs()))
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move the group's blocks back to the device; returns (host, device) pairs to copy."""
-        return self._move(group, self.host_tables, self.tables, self.host, self.device)
+        """Move the group's blocks back to the device; returns (host, device) pairs to copy.
+        The copies are fresh blocks; their full prompt blocks join the cache where it does not
+        hold those hashes already."""
+        pairs = self._move(group, self.host_tables, self.tables, self.host, self.device)
+        if self.cache is not None:
+            for seq in group.live_seqs():
+                self.cache.start_filling(seq, 0)
+        return pairs
 
     @staticmethod
     def _move(group: SequenceGroup, src_tables: dict[int, list[int]],
@@ -203,9 +273,28 @@ class BlockManager:
             dst_tables[seq.seq_id] = new_table
         return list(mapping.items())
 
+    # -- the prefix cache ------------------------------------------------------------------------
+    def cache_computed(self) -> None:
+        """Cache the full prompt blocks computed since the last call: the scheduler calls it at
+        the start of each step, when the previous step's keys and values are written."""
+        if self.cache is not None:
+            self.cache.cache_computed(self.tables)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.cache.num_cached if self.cache is not None else 0
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self.cache.evictable) if self.cache is not None else 0
+
     # -- invariants (tests) ----------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Ref counts equal the tables holding each block; free + used == total, per pool."""
+        """Ref counts equal the tables holding each block; free + used == total, per pool.
+        With prefix caching: the cache's own invariants, and a cached block at position i of a
+        table holds that sequence's prompt block i."""
+        if self.cache is not None:
+            self.cache.check_invariants(self.tables)
         for pool, tables in ((self.device, self.tables), (self.host, self.host_tables)):
             expected = [0] * pool.num_blocks
             for table in tables.values():

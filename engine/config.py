@@ -23,6 +23,14 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Reuse the KV of full prompt blocks that earlier requests computed (vLLM's automatic
+    # prefix caching): a request sharing a prompt prefix computes only what follows it. Off by
+    # default (vLLM V1 turns it on): tokens are the same, but a request that hits the cache runs
+    # its uncached tokens through other kernels and shapes, so its logprobs differ from an
+    # uncached run's in the last float bits (~1e-7), where repeated identical requests now agree
+    # bit for bit; and on the CPU the cache keeps freed blocks, so the KV cache's resident
+    # memory grows towards kv_cache_memory instead of the peak working set.
+    enable_prefix_caching: bool = False
     max_model_len: int | None = None
     seed: int = 0
     preemption_mode: str = "auto"

@@ -62,7 +62,7 @@ class Engine:
         num_host = config.swap_space_bytes // block_bytes
         self._num_blocks = (num_blocks, num_host)
         self.block_manager = BlockManager(num_blocks, num_host, config.block_size,
-                                          config.watermark)
+                                          config.watermark, config.enable_prefix_caching)
         self.kv_cache = KVCache(self.model.num_layers, num_blocks, num_host,  # type: ignore
                                 config.block_size, self.model.num_kv_heads,  # type: ignore
                                 self.model.head_dim, DTYPES[config.dtype],  # type: ignore
@@ -129,7 +129,8 @@ class Engine:
         self._rejected = []
         num_blocks, num_host = self._num_blocks
         self.block_manager = BlockManager(num_blocks, num_host, self.config.block_size,
-                                          self.config.watermark)
+                                          self.config.watermark,  # (an empty prefix cache)
+                                          self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.scheduler.counters = counters  # (cumulative: metrics never go backwards)
         self.runner.block_manager = self.block_manager
@@ -178,6 +179,10 @@ class Engine:
             "num_swapped": len(sc.swapped),
             "num_preemptions": sc.counters["num_recompute_preemptions"]
             + sc.counters["num_swap_outs"],
+            "num_cached_blocks": bm.num_cached_blocks,  # prefix cache: blocks it can hit
+            "num_evictable_blocks": bm.num_evictable_blocks,  # (of those, unheld: free)
+            "prefix_cache_hit_rate": sc.counters["num_cached_tokens"]
+            / max(sc.counters["num_prompt_tokens"], 1),
             **sc.counters, **self.counters,
         }
 

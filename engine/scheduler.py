@@ -13,8 +13,9 @@ budget (max_num_seqs):
    share a step).
 3. Waiting groups, oldest first, only when nothing is swapped out (strict priority running >
    swapped > waiting) and nothing was preempted. Admission is all-or-nothing on the blocks of the
-   whole prompt; the prompt is then prefilled in chunks. A group that can never fit finishes with
-   "error".
+   whole prompt (with prefix caching, the cached blocks it starts with are shared and their
+   tokens count as computed); the prompt is then prefilled in chunks. A group that can never fit
+   finishes with "error".
 
 Preempted groups go back into their queue in arrival order, so FCFS holds across preemptions.
 """
@@ -72,8 +73,11 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self._rng = random.Random(config.artificial_preemption_seed)
         self._preempted_last_step = False
+        # num_prompt_tokens: the tokens of the sequences admitted from the waiting queue (a
+        # recomputed one's outputs too); num_cached_tokens: those the prefix cache served.
         self.counters = {"num_recompute_preemptions": 0, "num_swap_outs": 0, "num_swap_ins": 0,
-                         "num_artificial_preemptions": 0, "num_infeasible": 0}
+                         "num_artificial_preemptions": 0, "num_infeasible": 0,
+                         "num_prompt_tokens": 0, "num_cached_tokens": 0}
 
     # -- queues ----------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -107,6 +111,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.block_manager.cache_computed()  # (the last step's keys and values are written)
         self._schedule_running(out, budget)
         if out.num_preempted == 0:
             self._schedule_swapped(out, budget)
@@ -198,12 +203,15 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         max_tokens = self.config.max_num_batched_tokens
         waiting, running, scheduled = self.waiting, self.running, out.scheduled
+        cache, counters = bm.cache, self.counters
         while waiting:
             group = waiting[0]
             seqs = group.seqs
-            if len(seqs) == 1 and group.params.best_of == 1 and seqs[0].finish_reason is None:
+            if len(seqs) == 1 and group.params.best_of == 1 and seqs[0].finish_reason is None \
+                    and (cache is None or not cache.has_hit(seqs[0])):
                 # Fast path, the common case: one sequence whose prompt fits the budget and the
-                # cache; the same decisions as below, without building a plan.
+                # cache (and starts with no cached block); the same decisions as below,
+                # without building a plan.
                 seq = seqs[0]
                 num_tokens = len(seq.token_ids)
                 remaining = num_tokens - seq.num_computed_tokens
@@ -217,6 +225,9 @@ class Scheduler:
                     waiting.popleft()
                     # Fresh blocks for the whole prompt: no copy-on-write, nothing to append.
                     tables[seq.seq_id] = device.allocate_many(num_blocks)
+                    counters["num_prompt_tokens"] += num_tokens
+                    if cache is not None:
+                        cache.start_filling(seq, 0)
                     group.status = SequenceStatus.RUNNING
                     scheduled.append(ScheduledSeq(group, seq, take, take == remaining))
                     budget.tokens = left - take
@@ -231,7 +242,8 @@ class Scheduler:
                              f"max_num_batched_tokens is {self.config.max_num_batched_tokens} and "
                              "chunked prefill is off; enable it or raise the budget", out)
                 continue
-            status = bm.can_allocate(group)
+            hits = bm.prefix_hits(group)  # (None without prefix caching)
+            status = bm.can_allocate(group, hits)
             if status is AllocStatus.NEVER:
                 waiting.popleft()
                 blocks = bm.blocks_to_allocate(group)
@@ -242,28 +254,33 @@ class Scheduler:
                 continue
             if status is AllocStatus.LATER:
                 break
-            plan = self._plan(group, budget)
+            plan = self._plan(group, budget, bm.cached_tokens(group, hits))
             if not plan:
                 break
             waiting.popleft()
-            bm.allocate(group)
+            counters["num_cached_tokens"] += bm.allocate(group, hits)
+            counters["num_prompt_tokens"] += sum(s.num_tokens for s in group.live_seqs())
             group.status = SequenceStatus.RUNNING
             self._commit(group, plan, out, budget)
             running.append(group)
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _plan(self, group: SequenceGroup, budget: _Budget) -> list[ScheduledSeq]:
+    def _plan(self, group: SequenceGroup, budget: _Budget,
+              computed: list[int] | None = None) -> list[ScheduledSeq]:
         """This step's tokens for each live sequence, or [] when the budgets cannot take them.
         Decoding sequences move together (every sequence's token counts against the budget);
-        prefills take what the token budget leaves when chunking is on."""
+        prefills take what the token budget leaves when chunking is on. `computed`: each live
+        sequence's computed tokens once admitted (a waiting group's prefix cache hits)."""
         seqs = group.live_seqs()
         num_seqs = max(len(seqs), 1 if group.forked else group.width)
         if num_seqs > budget.seqs:
             return []
         left = budget.tokens
         plan = []
+        if computed is None:
+            computed = [s.num_computed_tokens for s in seqs]
+        rest = [s.num_tokens - c for s, c in zip(seqs, computed)]
         if group.params.use_beam_search:  # beams sample together: each runs its whole remainder
-            rest = [s.num_tokens - s.num_computed_tokens for s in seqs]
             if sum(rest) <= left:
                 return [ScheduledSeq(group, s, r, True) for s, r in zip(seqs, rest)]
             for seq, r in zip(seqs, rest):  # or prefill chunks that keep one token each back
@@ -271,8 +288,7 @@ class Scheduler:
                     plan.append(ScheduledSeq(group, seq, min(r - 1, left), False))
                     left -= plan[-1].num_new_tokens
             return plan
-        for seq in seqs:
-            remaining = seq.num_tokens - seq.num_computed_tokens
+        for seq, remaining in zip(seqs, rest):
             take = min(remaining, left) if self.config.enable_chunked_prefill else remaining
             if take == 0 or take > left:
                 break  # the rest of the group runs in a later step

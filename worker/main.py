@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
     e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap space")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse the KV cache of prompt prefixes that earlier "
+                   "requests computed (vLLM's automatic prefix caching; default: "
+                   "EngineConfig.enable_prefix_caching)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--num-threads", type=int, default=None, help="torch threads on the CPU")
     r = p.add_argument_group("reliability")
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
             swap_space=args.swap_space, seed=args.seed, num_threads=args.num_threads,
-            output_kind="delta"))
+            output_kind="delta", enable_prefix_caching=EngineConfig.enable_prefix_caching
+            if args.enable_prefix_caching is None else args.enable_prefix_caching))
     except (ValueError, OSError) as exc:  # a wrong path, an unsupported model, a bad option
         print(f"genq worker: cannot load {args.model!r}: {exc}", file=sys.stderr)
         return 2
