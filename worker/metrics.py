@@ -270,6 +270,12 @@ class WorkerMetrics:
         self.swaps = r.counter("genq_engine_swaps_total",
                                "Sequence groups swapped out to or in from host memory",
                                ["direction"])
+        self.prompt_tokens = r.counter(
+            "genq_engine_prompt_tokens_total", "Prompt tokens of the requests the engine "
+            "scheduled (a re-prefill after a recompute preemption counts again)")
+        self.cached_tokens = r.counter(
+            "genq_engine_prefix_cache_hit_tokens_total", "Of those, tokens whose KV came from "
+            "the prefix cache (genq worker --enable-prefix-caching)")
         self.tokens = r.counter("genq_worker_generated_tokens_total",
                                 "Output tokens generated and handed to the writer")
         self.tokens_per_s = r.gauge(
@@ -307,6 +313,8 @@ class WorkerMetrics:
         self.preemptions.mirror(stats.get("num_swap_outs", 0), mode="swap")
         self.swaps.mirror(stats.get("num_swap_outs", 0), direction="out")
         self.swaps.mirror(stats.get("num_swap_ins", 0), direction="in")
+        self.prompt_tokens.mirror(stats.get("num_prompt_tokens", 0))
+        self.cached_tokens.mirror(stats.get("num_cached_tokens", 0))
 
     def sample(self, conn: redis.Redis) -> None:
         """From the heartbeat thread: queue lag (one round trip) and tokens/s."""

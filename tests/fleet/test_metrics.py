@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from producer import Client, JobError
 from tests.fleet.harness import (
@@ -165,6 +166,10 @@ def test_metrics_count_exactly_what_the_worker_did(
     assert idle.get("genq_engine_kv_cache_usage_ratio") == 0
     assert idle.get("genq_engine_preemptions_total", mode="recompute") == 0
     assert idle.get("genq_engine_preemptions_total", mode="swap") == 0
+    long_prompt = len(AutoTokenizer.from_pretrained(str(tiny_llama))("the quick brown").input_ids)
+    assert idle.get("genq_engine_prompt_tokens_total") == long_prompt + sum(
+        r["usage"]["prompt_tokens"] for r in results)
+    assert idle.get("genq_engine_prefix_cache_hit_tokens_total") == 0  # (caching is off)
     assert idle.get("genq_engine_swaps_total", direction="out") == 0
     assert idle.get("genq_engine_swaps_total", direction="in") == 0
     assert idle.get("genq_worker_generated_tokens_per_second") >= 0
