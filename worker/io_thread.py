@@ -78,6 +78,9 @@ class Writer(threading.Thread):
         self.fence_key = fence_key
         self._fence_seen = ""  # '' until a write has checked
         self._fence_checked_at = -math.inf
+        # Attempts whose ownership a write checked since the counter last moved: the others
+        # are checked, each on its own, at their next write.
+        self._verified: set[tuple[str, int]] = set()
         # Attempts found lost, or finished here: events still queued for them are dropped (a
         # write that skips the ownership check would let them through, after the terminal
         # event). (entry, deliveries) -> when, oldest first; kept _GONE_KEEP_S.
@@ -195,7 +198,9 @@ class Writer(threading.Thread):
             fence = ""  # a full check now and then, whatever the counter says
         else:
             fence = self._fence_seen
-        for chunk in _chunks(events, num_events, self.max_events_per_call):
+        verified = self._verified
+        chunks = _chunks(events, num_events, self.max_events_per_call)
+        for chunk in chunks:
             keys = [self.jobs_key, self.fence_key or self.jobs_key]
             index: list[Any] = []
             blobs: list[bytes] = []
@@ -212,7 +217,8 @@ class Writer(threading.Thread):
                 if refresh:
                     refreshed.append(w.reply_key)
                 keys.append(w.reply_key)
-                index.append([w.entry_id, w.deliveries, lengths, refresh])
+                index.append([w.entry_id, w.deliveries, lengths, refresh,
+                              (w.entry_id, w.deliveries) not in verified])
             args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs),
                     fence]
             self.scripts.queue(pipe, self.scripts.write_events, keys, args)
@@ -229,18 +235,24 @@ class Writer(threading.Thread):
         results = pipe.execute()
         for key in refreshed:  # only now: a retried write must set them again
             ttl_at[key] = now
-        for kind, result in zip(calls, results, strict=True):
-            if kind != "events":
-                continue
+        walked = False
+        for chunk, result in zip(chunks, results, strict=False):  # (events calls come first)
             seen, lost_ids = as_str(result[0]), result[1]
-            if seen != fence:  # the script checked every entry
+            lost = {as_str(e) for e in lost_ids}
+            owned = {(w.entry_id, w.deliveries) for w in chunk if w.entry_id not in lost}
+            if seen != fence and not walked:  # the counter moved, or a periodic or first
+                # check: the script walked every held entry, but only those of this write are
+                # known to be ours now (the others are checked at their next write)
+                walked = True
+                self._verified = verified = set()
                 self._fence_seen, self._fence_checked_at = seen, now
-            if lost_ids:  # rare: entries reclaimed from us
-                lost = {as_str(e) for e in lost_ids}
-                for w in events:
+            verified |= owned
+            if lost:  # rare: entries reclaimed from us
+                for w in chunk:
                     if w.entry_id in lost:
                         ttl_at.pop(w.reply_key, None)
                         self._gone[(w.entry_id, w.deliveries)] = now
+                        verified.discard((w.entry_id, w.deliveries))
                 for entry_id in lost:
                     self.lost.put(entry_id)
         self.num_events_written += num_events
@@ -250,6 +262,7 @@ class Writer(threading.Thread):
             if fin.reply_key is not None:
                 ttl_at.pop(fin.reply_key, None)
             gone[(fin.entry_id, fin.deliveries)] = now
+            self._verified.discard((fin.entry_id, fin.deliveries))
             self.finished.put(fin.entry_id)
         self._forget_gone(now)
 

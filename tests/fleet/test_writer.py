@@ -266,3 +266,32 @@ def test_nothing_is_written_after_an_attempts_terminal_event(redis_server: Redis
     assert [(e["type"], e.get("pos")) for e in events_of(redis_server, "j0")] == [
         ("tokens", 0), ("error", None)]
     assert writer.lost.empty()
+
+
+def test_after_a_claim_an_entry_the_first_write_did_not_carry_is_checked_at_its_own(
+        redis_server: RedisServer) -> None:
+    """The write that sees the counter move checks the entries it carries; an entry of another
+    job (it had nothing to write then) is checked on its own at its next write, not trusted."""
+    first, second = setup_group(redis_server, "me", 2)
+    conn = redis_server.client()
+    writer = fenced_writer(conn)
+
+    def write(entry: str, job: str, pos: int) -> None:
+        writer.submit(Batch(events=[EventWrite(entry, 1, KEYS.reply(job),
+                                               [tokens_event(1, 0, pos, [5], "x")])]))
+        writer.flush()
+
+    write(first, "j0", 0)
+    write(second, "j1", 0)
+    assert sorted(c[0].decode() for c in reclaim(conn, "thief")) == sorted([first, second])
+    write(first, "j0", 1)  # the counter moved: this write checks, and learns of `first`
+    assert writer.lost.get_nowait() == first
+    write(second, "j1", 1)  # the counter stands still again, but `second` was not checked yet
+    assert writer.lost.get_nowait() == second
+    conn.xadd(JOBS, {"v": b"1", "job": msgpack.packb({"id": "j2"})})
+    ((_, [(third, _)]),) = conn.xreadgroup("workers", "me", {JOBS: ">"}, count=1)
+    write(third.decode(), "j2", 0)  # a new entry: checked once, and it is ours
+    writer.stop()
+    assert writer.lost.empty()
+    assert [[e["pos"] for e in events_of(redis_server, j)] for j in ("j0", "j1", "j2")] == [
+        [0], [0], [0]]
