@@ -208,7 +208,8 @@ def status_main(argv: list[str]) -> int:
                                           "consumers"]))
     print()
     print(format_table(report["workers"], ["name", "model", "device", "heartbeat_age_s",
-                                           "running", "waiting", "capacity", "kv_usage"]))
+                                           "running", "waiting", "capacity", "kv_usage",
+                                           "prefix_hits"]))
     return 0
 
 
@@ -257,7 +258,10 @@ def worker_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
                      "heartbeat_age_s": round(now - float(info.get("ts", now)), 1),
                      "running": info.get("running"), "waiting": info.get("waiting"),
                      "capacity": info.get("capacity"),
-                     "kv_usage": f"{100 * used / total:.0f}%" if total else "-"})
+                     "kv_usage": f"{100 * used / total:.0f}%" if total else "-",
+                     # of prompt tokens, from the prefix cache (--enable-prefix-caching)
+                     "prefix_hits": f"{100 * float(info.get('prefix_cache_hit_rate') or 0):.0f}%"
+                     if info.get("prefix_caching") else "off"})
     return rows
 
 

@@ -395,5 +395,7 @@ class Worker:
                 "num_free_blocks": stats.get("num_free_blocks", 0),
                 "num_total_blocks": stats.get("num_total_blocks", 0),
                 "num_preemptions": stats.get("num_preemptions", 0),
+                "prefix_caching": bool(self.engine.config.enable_prefix_caching),
+                "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
                 "events_written": self.writer.num_events_written, **self.counters}
 

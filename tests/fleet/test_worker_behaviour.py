@@ -350,10 +350,10 @@ def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProc
     assert bad.returncode == 2 and "job id" in bad.stderr
     status = json.loads(genq("status", "--json", "--redis", server.url).stdout)
     assert [(q["model"], q["consumers"]) for q in status["queues"]] == [("tiny", 1)]
-    assert [(w["name"], w["model"], w["capacity"]) for w in status["workers"]] == [
-        ("solo", "tiny", 4)]
+    assert [(w["name"], w["model"], w["capacity"], w["prefix_hits"])
+            for w in status["workers"]] == [("solo", "tiny", 4, "off")]
     table = genq("status", "--redis", server.url).stdout
-    assert "solo" in table and "heartbeat_age_s" in table
+    assert "solo" in table and "heartbeat_age_s" in table and "prefix_hits" in table
     # A model no live worker serves: the job waits (it is not refused), and the CLI says why.
     lost = genq("submit", "x", "--model", "nobody", "--timeout", "0.5", "--redis", server.url)
     warning = "no live worker serves 'nobody' (live workers serve: tiny)"

@@ -81,3 +81,17 @@ def test_the_worker_turns_the_tokenizer_thread_pool_off_unless_told(given: str |
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.stdout == f"2 {expected}\n", out.stderr
+
+
+def test_status_shows_each_workers_prefix_cache_hit_rate(redis_server: RedisServer) -> None:
+    from producer.cli import worker_rows
+    from producer.protocol import Keys, encode_heartbeat
+
+    conn, keys = redis_server.client(), Keys()
+    beats = {"cached": {"prefix_caching": True, "prefix_cache_hit_rate": 0.254},
+             "plain": {"prefix_caching": False, "prefix_cache_hit_rate": 0.0},
+             "older": {}}  # a worker of an earlier release says nothing of it
+    for name, extra in beats.items():
+        conn.set(keys.worker(name), encode_heartbeat({"model": "m", "ts": 0.0, **extra}), ex=60)
+    assert {r["name"]: r["prefix_hits"] for r in worker_rows(conn, keys)} == {
+        "cached": "25%", "plain": "off", "older": "off"}
