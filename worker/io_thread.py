@@ -183,7 +183,6 @@ class Writer(threading.Thread):
 
     def _write_once(self, batch: Batch) -> None:
         pipe = self.conn.pipeline(transaction=False)
-        calls: list[str] = []
         now = time.monotonic()
         events = coalesce(batch.events)
         if self._gone:
@@ -200,7 +199,9 @@ class Writer(threading.Thread):
             fence = self._fence_seen
         verified = self._verified
         chunks = _chunks(events, num_events, self.max_events_per_call)
+        flagged: list[list[tuple[str, int]]] = []  # per chunk: attempts it asks to check
         for chunk in chunks:
+            flagged.append(check := [])
             keys = [self.jobs_key, self.fence_key or self.jobs_key]
             index: list[Any] = []
             blobs: list[bytes] = []
@@ -217,12 +218,14 @@ class Writer(threading.Thread):
                 if refresh:
                     refreshed.append(w.reply_key)
                 keys.append(w.reply_key)
-                index.append([w.entry_id, w.deliveries, lengths, refresh,
-                              (w.entry_id, w.deliveries) not in verified])
+                attempt = (w.entry_id, w.deliveries)
+                unverified = attempt not in verified
+                if unverified:
+                    check.append(attempt)
+                index.append([w.entry_id, w.deliveries, lengths, refresh, unverified])
             args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs),
                     fence]
             self.scripts.queue(pipe, self.scripts.write_events, keys, args)
-            calls.append("events")
         step = self.max_events_per_call
         for lo in range(0, len(batch.finishes), step):
             fins = batch.finishes[lo:lo + step]
@@ -231,22 +234,23 @@ class Writer(threading.Thread):
                                 *(fin.reply_key or self.jobs_key for fin in fins)],
                                finish_args(fins, self.group, self.me, self.reply_ttl,
                                            self.dead_ttl))
-            calls.append("finish")
         results = pipe.execute()
         for key in refreshed:  # only now: a retried write must set them again
             ttl_at[key] = now
         walked = False
-        for chunk, result in zip(chunks, results, strict=False):  # (events calls come first)
+        # (events calls come first in the pipeline)
+        for chunk, check, result in zip(chunks, flagged, results, strict=False):
             seen, lost_ids = as_str(result[0]), result[1]
             lost = {as_str(e) for e in lost_ids}
-            owned = {(w.entry_id, w.deliveries) for w in chunk if w.entry_id not in lost}
-            if seen != fence and not walked:  # the counter moved, or a periodic or first
-                # check: the script walked every held entry, but only those of this write are
-                # known to be ours now (the others are checked at their next write)
-                walked = True
-                self._verified = verified = set()
-                self._fence_seen, self._fence_checked_at = seen, now
-            verified |= owned
+            if seen != fence:  # the counter moved, or a periodic or first check: the script
+                # walked every held entry, but only those of this write are known to be ours
+                # now (the others are checked at their next write)
+                if not walked:
+                    walked = True
+                    self._verified = verified = set()
+                    self._fence_seen, self._fence_checked_at = seen, now
+                check = [(w.entry_id, w.deliveries) for w in chunk]
+            verified.update(a for a in check if a[0] not in lost)  # (none at steady state)
             if lost:  # rare: entries reclaimed from us
                 for w in chunk:
                     if w.entry_id in lost:

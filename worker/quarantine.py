@@ -1,8 +1,7 @@
 """Quarantine: what the worker does when engine.step() raises. A bad job never stops a worker.
 
 After a step raised, the engine's state is not trusted: Engine.abort_all drops every request and
-rebuilds the scheduler's queues and the block tables, and the result is checked (no request
-left, every KV block free). The jobs that were in the engine are the
+rebuilds the scheduler's queues and the block tables. The jobs that were in the engine are the
 suspects. They run again from scratch, a group at a time, alone in the engine (the worker reads
 no new jobs meanwhile), and a group that fails is halved:
 
@@ -16,10 +15,9 @@ depend on the batch, and a re-run streams only the positions past what its clien
 so the reply stream holds each (index, pos) once. The work is bounded: k suspects take at most
 2k - 1 group runs and one probe per culprit.
 
-It is the engine, not a job, when the probe fails too, when abort_all leaves requests or blocks
-behind, or after _MAX_STREAK failed steps with no successful one between: EngineBroken is
-raised, and the worker exits non-zero so that other workers reclaim its jobs (as when a worker
-process dies).
+It is the engine, not a job, when the probe fails too, or after _MAX_STREAK failed steps with
+no successful one between: EngineBroken is raised, and the worker exits non-zero so that other
+workers reclaim its jobs (as when a worker process dies).
 
 The normal path pays nothing for this: the loop calls in here only from its except clause around
 step(), and an isolation runs its own steps (below) until every suspect has ended. Those steps
@@ -129,7 +127,7 @@ class Quarantine:
         self._steps_at_failure = steps
         parked = {entry for group in self.groups for entry in group}
         suspects = [entry for entry in w.jobs if entry not in parked]  # the jobs in the engine
-        self._abort_all(exc)
+        self.engine.abort_all()  # (rebuilds what a step that raised half-way left inconsistent)
         if self._streak > _MAX_STREAK:
             raise EngineBroken(f"engine.step() failed {self._streak} times in a row without a "
                                f"successful step ({_describe(exc)})")
@@ -207,30 +205,10 @@ class Quarantine:
             else:
                 raise RuntimeError(f"the probe did not finish in {_PROBE_STEPS} steps")
         except Exception as probe_exc:
-            self._abort_all(probe_exc)
+            self.engine.abort_all()
             raise EngineBroken(f"engine.step() failed ({_describe(exc)}) and so did a probe "
                                f"request of the worker's own, alone in the engine "
                                f"({_describe(probe_exc)})") from probe_exc
-        self._abort_all(exc)  # checks that the probe left nothing behind
-
-    # ------------------------------------------------------------------ the engine's state
-
-    def _abort_all(self, exc: Exception) -> None:
-        """Drop every request in the engine (Engine.abort_all rebuilds its queues and block
-        tables: a step that raised half-way may have left them inconsistent) and check it is
-        empty."""
-        engine = self.engine
-        engine.abort_all()
-        stats = engine.stats()
-        held = stats["num_total_blocks"] - stats["num_free_blocks"]
-        held_host = stats["num_host_blocks"] - stats["num_free_host_blocks"]
-        queued = stats["num_running"] + stats["num_waiting"] + stats["num_swapped"]
-        if engine.has_unfinished() or held or held_host or queued:
-            raise EngineBroken(
-                f"after engine.step() raised ({_describe(exc)}), aborting every request left "
-                f"{engine.num_unfinished()} request(s), {queued} scheduler queue entries, "
-                f"{held} of {stats['num_total_blocks']} KV blocks and {held_host} host blocks "
-                "in use after Engine.abort_all")
 
     def _log(self, exc: Exception) -> None:
         key = (type(exc).__name__, str(exc))
