@@ -21,7 +21,7 @@ from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
 from engine.models.loader import DTYPES, load_config, load_model, load_tokenizer, max_positions
 from engine.outputs import RequestOutput, request_output
-from engine.sampler import Sampler, SampleRow
+from engine.sampler import Sampler, SampleRow, greedy_tokens, plain_greedy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -91,6 +91,7 @@ class Engine:
         seq = Sequence(next(self._seq_ids), 0, token_ids, len(token_ids))
         init_offsets(seq)
         group = SequenceGroup(request_id, params, [seq], seed)
+        group.plain_greedy = plain_greedy(params)
         self._groups[request_id] = group
         if len(token_ids) >= self.max_model_len:
             self._reject(group, f"the prompt has {len(token_ids)} tokens but max_model_len is "
@@ -154,17 +155,21 @@ class Engine:
             logits = self.runner.execute(batch, self.kv_cache.device_cache)
             self._postprocess(batch, logits)
             self.counters["num_steps"] += 1
-        for group in {id(item.group): item.group for item in batch}.values():
-            if not finished_only or group.status is SequenceStatus.FINISHED:
-                out = self._output(group)
-                if out.outputs or out.finished or not self.delta_outputs:
+        delta = self.delta_outputs
+        finished = SequenceStatus.FINISHED
+        for group in dict.fromkeys(item.group for item in batch):  # (a group's seqs, once)
+            if not finished_only or group.status is finished:
+                out = request_output(group, delta)  # (None: nothing new to hand out)
+                if out is not None:
                     outputs[group.request_id] = out
         for group in sched.finished + self._rejected:  # ended by the scheduler, or refused
             for seq in group.seqs:
                 if seq.finish_reason != "stop":  # (those that stopped have their text)
                     self._final_text(seq, group.params)
             self._finish_group(group)
-            outputs[group.request_id] = self._output(group)
+            out = request_output(group, delta)
+            assert out is not None  # (a finished request always has an output)
+            outputs[group.request_id] = out
         self._rejected = []
         return list(outputs.values())
 
@@ -197,6 +202,9 @@ class Engine:
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
         sampled = [item for item in batch if item.do_sample]  # logits row r <-> sampled[r]
+        if all(item.group.plain_greedy for item in sampled):  # the common case: argmax only
+            self._append_greedy(sampled, logits)
+            return
         rows: list[SampleRow] = []
         row_index: list[int] = []
         owners: list[tuple[SequenceGroup, Sequence, int]] = []  # (group, parent seq, fork index)
@@ -248,9 +256,13 @@ class Engine:
                 group, members, logits[:, : self.vocab_size], self.block_manager, self.decoder,
                 self.eos_token_ids, self.max_model_len, lambda: next(self._seq_ids))
         self.counters["num_generated_tokens"] += len(rows)
+        self._end_sampled(sampled)
+
+    def _end_sampled(self, sampled: list[ScheduledSeq]) -> None:
+        """After the step's samples: first-token times, and the requests that ended."""
         now = time.monotonic()
         done = []
-        for group in {id(item.group): item.group for item in sampled}.values():
+        for group in dict.fromkeys(item.group for item in sampled):
             if group.first_token_time is None:
                 group.first_token_time = now
             seqs = group.seqs
@@ -259,6 +271,25 @@ class Engine:
             if not seqs or (seqs[0].finish_reason is not None and group.is_finished()):
                 self._finish_group(group)
                 done.append(group)
+        if done:
+            self.scheduler.remove_running(done)
+
+    def _append_greedy(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> None:
+        """_postprocess for a batch of plain greedy requests (one sequence each, no sampler)."""
+        if not sampled:
+            return
+        append = self._append
+        now = time.monotonic()
+        done = []
+        for item, token in zip(sampled, greedy_tokens(logits, self.vocab_size)):
+            group, seq = item.group, item.seq
+            append(group, seq, token, None, None)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            if seq.finish_reason is not None:  # (its one sequence)
+                self._finish_group(group)
+                done.append(group)
+        self.counters["num_generated_tokens"] += len(sampled)
         if done:
             self.scheduler.remove_running(done)
 
@@ -317,9 +348,6 @@ class Engine:
         group.status = SequenceStatus.FINISHED
         group.finished_time = time.monotonic()
         self._groups.pop(group.request_id, None)
-
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        return request_output(group, self.delta_outputs)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> list[int]:

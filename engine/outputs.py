@@ -33,43 +33,62 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # a message a person can act on when finish_reason == "error"
-    metrics: dict[str, float] = field(default_factory=dict)
+    group: SequenceGroup | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """arrival_time, num_preemptions and, once known, time_to_first_token and latency
+        (seconds, monotonic clock), as of when read: built on demand, not at every step."""
+        group = self.group
+        if group is None:
+            return {}
+        metrics = {"arrival_time": group.arrival_time,
+                   "num_preemptions": float(group.num_preemptions)}
+        if group.first_token_time is not None:
+            metrics["time_to_first_token"] = group.first_token_time - group.arrival_time
+        if group.finished_time is not None:
+            metrics["latency"] = group.finished_time - group.arrival_time
+        return metrics
 
 
-def request_output(group: SequenceGroup, delta: bool) -> RequestOutput:
+def request_output(group: SequenceGroup, delta: bool) -> RequestOutput | None:
     """A request's output after a step: cumulative, or with `delta` only what is new since its
-    last output (ranked requests, best_of > n and beam search, output once, whole, at the end)."""
+    last output (ranked requests, best_of > n and beam search, output once, whole, at the end).
+    None, with `delta`, when a running request has nothing new to hand out."""
     params = group.params
     finished = group.status is SequenceStatus.FINISHED
     ranked = params.best_of != params.n or params.use_beam_search
     if delta and not ranked:
-        outputs = []
-        for s in group.seqs:
-            out = delta_output(s, params, finished)
-            if out is not None:
-                outputs.append(out)
-    else:
         seqs = group.seqs
+        if len(seqs) == 1:  # the common case, one sequence
+            out = delta_output(seqs[0], params, finished)
+            if out is None:
+                return None
+            outputs = [out]
+        else:
+            outputs = [o for o in (delta_output(s, params, finished) for s in seqs)
+                       if o is not None]
+            if not outputs and not finished:
+                return None
+    else:
         if ranked and not finished:
+            if delta:
+                return None
             seqs = []  # best_of > n and beam search pick their n outputs only at the end
         elif params.use_beam_search:
-            seqs = beam_search.best(seqs, params, params.n)
+            seqs = beam_search.best(group.seqs, params, params.n)
         elif ranked:
-            seqs = sorted(seqs, key=lambda s: -s.ranking_logprob)[: params.n]
+            seqs = sorted(group.seqs, key=lambda s: -s.ranking_logprob)[: params.n]
+        else:
+            seqs = group.seqs
         outputs = [CompletionOutput(i if ranked else s.index,
                                     s.output_token_ids, s.output_text, s.finish_reason,
                                     s.cumulative_logprob,
                                     list(s.output_logprobs) if params.logprobs is not None
                                     else None, s.stop_reason)
                    for i, s in enumerate(seqs)]
-    metrics = {"arrival_time": group.arrival_time,
-               "num_preemptions": float(group.num_preemptions)}
-    if group.first_token_time is not None:
-        metrics["time_to_first_token"] = group.first_token_time - group.arrival_time
-    if group.finished_time is not None:
-        metrics["latency"] = group.finished_time - group.arrival_time
     return RequestOutput(group.request_id, group.prompt_token_ids, outputs, finished,
-                         group.error, metrics)
+                         group.error, group)
 
 
 def delta_output(seq: Sequence, params: SamplingParams,

@@ -103,6 +103,18 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def plain_greedy(p: SamplingParams) -> bool:
+    """Whether every token of a request is the argmax of its raw logits (no penalty, no ban
+    under min_tokens, no logprobs, one sequence): the engine then skips the sampler."""
+    return (p.temperature == 0.0 and p.best_of == 1 and not p.use_beam_search
+            and p.logprobs is None and p.min_tokens == 0 and not _has_penalty(p))
+
+
+def greedy_tokens(logits: torch.Tensor, vocab_size: int) -> list[int]:
+    """The argmax of each row's first `vocab_size` logits (as the sampler draws at T=0)."""
+    return _argmax(logits[:, :vocab_size].float()).tolist()  # type: ignore[no-any-return]
+
+
 def _wants_logprobs(p: SamplingParams) -> bool:
     return p.logprobs is not None or (p.best_of or p.n) > p.n
 
