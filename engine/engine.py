@@ -21,7 +21,7 @@ from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
 from engine.models.loader import DTYPES, load_config, load_model, load_tokenizer, max_positions
 from engine.outputs import RequestOutput, request_output
-from engine.sampler import Sampler, SampleRow, greedy_tokens, plain_greedy
+from engine.sampler import Sampler, SampleRow, plain_greedy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -281,7 +281,7 @@ class Engine:
         append = self._append
         now = time.monotonic()
         done = []
-        for item, token in zip(sampled, greedy_tokens(logits, self.vocab_size)):
+        for item, token in zip(sampled, self.sampler.greedy(logits)):
             group, seq = item.group, item.seq
             append(group, seq, token, None, None)
             if group.first_token_time is None:

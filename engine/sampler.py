@@ -78,6 +78,11 @@ class Sampler:
                                token_ids[i], lp)
         return SampleResult(token_ids, chosen_lp, tops)
 
+    @torch.inference_mode()
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """The argmax of each row (what __call__ draws for plain_greedy rows, without rows)."""
+        return _argmax(logits[:, : self.vocab_size].float()).tolist()  # type: ignore[no-any-return]
+
     def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
         logits = logits / temps[:, None]
@@ -108,11 +113,6 @@ def plain_greedy(p: SamplingParams) -> bool:
     under min_tokens, no logprobs, one sequence): the engine then skips the sampler."""
     return (p.temperature == 0.0 and p.best_of == 1 and not p.use_beam_search
             and p.logprobs is None and p.min_tokens == 0 and not _has_penalty(p))
-
-
-def greedy_tokens(logits: torch.Tensor, vocab_size: int) -> list[int]:
-    """The argmax of each row's first `vocab_size` logits (as the sampler draws at T=0)."""
-    return _argmax(logits[:, :vocab_size].float()).tolist()  # type: ignore[no-any-return]
 
 
 def _wants_logprobs(p: SamplingParams) -> bool:

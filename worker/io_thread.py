@@ -80,11 +80,12 @@ class Writer(threading.Thread):
         self._fence_checked_at = -math.inf
         # Attempts whose ownership a write checked since the counter last moved: the others
         # are checked, each on its own, at their next write.
-        self._verified: set[tuple[str, int]] = set()
+        self._verified: dict[str, int] = {}  # entry id -> deliveries
         # Attempts found lost, or finished here: events still queued for them are dropped (a
         # write that skips the ownership check would let them through, after the terminal
         # event). (entry, deliveries) -> when, oldest first; kept _GONE_KEEP_S.
         self._gone: dict[tuple[str, int], float] = {}
+        self._gone_ids: dict[str, int] = {}  # entry id -> its attempts in _gone (a quick test)
         self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries no longer ours
         self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
         self.num_events_written = 0  # after coalescing
@@ -138,15 +139,19 @@ class Writer(threading.Thread):
                     batches.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            merged = Batch()
-            ended: set[tuple[str, int]] = set()  # attempts a batch merged so far finishes
-            for batch in batches:
-                if batch is not None:
+            real = [b for b in batches if b is not None]
+            if len(real) == 1:  # one step's worth: one write per attempt already
+                merged = real[0]
+            else:
+                merged = Batch()
+                ended: set[tuple[str, int]] = set()  # attempts a batch merged so far finishes
+                for batch in real:
                     merged.events += [w for w in batch.events
                                       if (w.entry_id, w.deliveries) not in ended] \
                         if ended else batch.events
                     merged.finishes += batch.finishes
                     ended.update((f.entry_id, f.deliveries) for f in batch.finishes)
+                merged.events = coalesce(merged.events)
             if merged:
                 self._write_until_done(merged)
             for _ in batches:
@@ -184,9 +189,8 @@ class Writer(threading.Thread):
     def _write_once(self, batch: Batch) -> None:
         pipe = self.conn.pipeline(transaction=False)
         now = time.monotonic()
-        events = coalesce(batch.events)
-        if self._gone:
-            events = [w for w in events if (w.entry_id, w.deliveries) not in self._gone]
+        events = batch.events  # (one write per attempt: Batch's rule, coalesce() when merged)
+        gone_ids, gone = self._gone_ids, self._gone
         num_events = sum(len(w.events) for w in events)
         refreshed: list[str] = []  # reply keys whose TTL this write sets
         stale = now - self.reply_ttl / 4
@@ -199,13 +203,20 @@ class Writer(threading.Thread):
             fence = self._fence_seen
         verified = self._verified
         chunks = _chunks(events, num_events, self.max_events_per_call)
-        flagged: list[list[tuple[str, int]]] = []  # per chunk: attempts it asks to check
+        # Per chunk: the writes it holds, and the attempts it asks to check.
+        calls: list[tuple[list[EventWrite], list[tuple[str, int]]]] = []
+        never = -math.inf
         for chunk in chunks:
-            flagged.append(check := [])
+            written: list[EventWrite] = []
+            check: list[tuple[str, int]] = []
             keys = [self.jobs_key, self.fence_key or self.jobs_key]
             index: list[Any] = []
             blobs: list[bytes] = []
             for w in chunk:
+                if w.entry_id in gone_ids and (w.entry_id, w.deliveries) in gone:
+                    num_events -= len(w.events)  # lost, or finished: nothing more of it
+                    continue
+                written.append(w)
                 if len(w.events) == 1:  # the common case: one step's tokens of one sequence
                     blob = encode_event(w.events[0])
                     blobs.append(blob)
@@ -214,15 +225,17 @@ class Writer(threading.Thread):
                     encoded = [encode_event(e) for e in w.events]
                     blobs += encoded
                     lengths = [len(b) for b in encoded]
-                refresh = ttl_at.get(w.reply_key, -math.inf) < stale
+                refresh = ttl_at.get(w.reply_key, never) < stale
                 if refresh:
                     refreshed.append(w.reply_key)
                 keys.append(w.reply_key)
-                attempt = (w.entry_id, w.deliveries)
-                unverified = attempt not in verified
+                unverified = verified.get(w.entry_id) != w.deliveries
                 if unverified:
-                    check.append(attempt)
+                    check.append((w.entry_id, w.deliveries))
                 index.append([w.entry_id, w.deliveries, lengths, refresh, unverified])
+            if not written:
+                continue
+            calls.append((written, check))
             args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs),
                     fence]
             self.scripts.queue(pipe, self.scripts.write_events, keys, args)
@@ -239,7 +252,7 @@ class Writer(threading.Thread):
             ttl_at[key] = now
         walked = False
         # (events calls come first in the pipeline)
-        for chunk, check, result in zip(chunks, flagged, results, strict=False):
+        for (chunk, check), result in zip(calls, results, strict=False):
             seen, lost_ids = as_str(result[0]), result[1]
             lost = {as_str(e) for e in lost_ids}
             if seen != fence:  # the counter moved, or a periodic or first check: the script
@@ -247,37 +260,50 @@ class Writer(threading.Thread):
                 # now (the others are checked at their next write)
                 if not walked:
                     walked = True
-                    self._verified = verified = set()
+                    self._verified = verified = {}
                     self._fence_seen, self._fence_checked_at = seen, now
                 check = [(w.entry_id, w.deliveries) for w in chunk]
-            verified.update(a for a in check if a[0] not in lost)  # (none at steady state)
+            for entry_id, deliveries in check:  # (none at steady state)
+                if entry_id not in lost:
+                    verified[entry_id] = deliveries
             if lost:  # rare: entries reclaimed from us
                 for w in chunk:
                     if w.entry_id in lost:
                         ttl_at.pop(w.reply_key, None)
-                        self._gone[(w.entry_id, w.deliveries)] = now
-                        verified.discard((w.entry_id, w.deliveries))
+                        self._mark_gone(w.entry_id, w.deliveries, now)
+                        if verified.get(w.entry_id) == w.deliveries:
+                            del verified[w.entry_id]
                 for entry_id in lost:
                     self.lost.put(entry_id)
         self.num_events_written += num_events
         self.num_token_events_in += sum(len(w.events) for w in batch.events)
-        gone = self._gone
         for fin in batch.finishes:
             if fin.reply_key is not None:
                 ttl_at.pop(fin.reply_key, None)
-            gone[(fin.entry_id, fin.deliveries)] = now
-            self._verified.discard((fin.entry_id, fin.deliveries))
+            self._mark_gone(fin.entry_id, fin.deliveries, now)
+            if self._verified.get(fin.entry_id) == fin.deliveries:
+                del self._verified[fin.entry_id]
             self.finished.put(fin.entry_id)
         self._forget_gone(now)
 
+    def _mark_gone(self, entry_id: str, deliveries: int, now: float) -> None:
+        key = (entry_id, deliveries)
+        if key not in self._gone:
+            self._gone_ids[entry_id] = self._gone_ids.get(entry_id, 0) + 1
+        self._gone[key] = now
+
     def _forget_gone(self, now: float) -> None:
         """Attempts that ended or were lost long enough ago that nothing is queued for them."""
-        gone = self._gone
+        gone, ids = self._gone, self._gone_ids
         while gone:
             oldest = next(iter(gone))
             if now - gone[oldest] <= _GONE_KEEP_S:
                 return
             del gone[oldest]
+            if ids[oldest[0]] == 1:
+                del ids[oldest[0]]
+            else:
+                ids[oldest[0]] -= 1
 
 
 def finish_args(finishes: list[FinishWrite], group: str, me: str, reply_ttl: int,

@@ -42,25 +42,27 @@ def token_events(job: ActiveJob, output: RequestOutput) -> tuple[list[dict[str, 
     events: list[dict[str, Any]] = []
     new_tokens = 0
     for comp in output.outputs:
-        index = comp.index
+        index, new, text = comp.index, comp.token_ids, comp.text
         ids = job.token_ids.get(index)
         if ids is None:
             ids = job.token_ids[index] = []
             job.texts[index] = []
         pos = len(ids)
-        ids += comp.token_ids
-        if comp.text:
-            job.texts[index].append(comp.text)
+        ids += new
+        if text:
+            job.texts[index].append(text)
         if comp.logprobs:
             job.top_logprobs.setdefault(index, []).extend(comp.logprobs)
-        if not comp.token_ids:
+        if not new:
             continue  # text without a token (held back until the end) goes in the done event
-        new_tokens += len(comp.token_ids)
+        new_tokens += len(new)
         if job.stream_tokens:
-            logprobs = None if comp.logprobs is None else \
-                _logprobs(job, output.prompt_token_ids, index, pos)
-            events.append(tokens_event(job.attempt, index, pos, comp.token_ids, comp.text,
-                                       logprobs))
+            if comp.logprobs is None:  # (tokens_event's map, built here: once per token)
+                events.append({"type": "tokens", "attempt": job.attempt, "index": index,
+                               "pos": pos, "token_ids": new, "text": text})
+            else:
+                events.append(tokens_event(job.attempt, index, pos, new, text,
+                                           _logprobs(job, output.prompt_token_ids, index, pos)))
     if new_tokens and job.first_token_at is None:
         job.first_token_at = time.time()
     return events, new_tokens

@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     # freezes its heap the same way).
     gc.collect()
     gc.freeze()
+    # Each step allocates thousands of short-lived objects per running request (outputs,
+    # events), nearly all freed by reference counting: collect the young generation every
+    # 20,000 allocations instead of every 700 (~5% more tokens/s at 256 running).
+    gc.set_threshold(20_000, 20, 100)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         worker.request_stop()

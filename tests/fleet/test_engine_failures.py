@@ -39,7 +39,7 @@ from worker.loop import Worker
 from worker.quarantine import EXIT_ENGINE_BROKEN
 
 KEYS = Keys()
-MARK, MARK2 = 424_242, 515_151  # seeds that mark poisoned jobs (greedy: the seed is unused)
+MARK, MARK2 = 424_242, 515_151  # seeds that mark poisoned jobs
 GOOD: list[tuple[str, dict[str, Any]]] = [
     ("the quick brown fox", {"temperature": 0, "max_tokens": 12, "ignore_eos": True}),
     ("over a lazy dog", {"temperature": 0.8, "seed": 7, "max_tokens": 10, "ignore_eos": True}),
@@ -68,6 +68,11 @@ class PoisonedSampler:
             if start is not None and row.position >= start:
                 raise ZeroDivisionError(f"poisoned row (seed {row.seed}, position {row.position})")
         return self.sampler(logits, rows)
+
+    def greedy(self, logits: Any) -> list[int]:  # (plain greedy batches: no rows, no seeds)
+        if self.always:
+            raise RuntimeError("the device is gone")
+        return self.sampler.greedy(logits)
 
 
 class ThreadWorker:
@@ -117,7 +122,8 @@ def submit(server: RedisServer, jobs: list[tuple[str, dict[str, Any]]]) -> list[
 
 
 def poisoned(seed: int) -> tuple[str, dict[str, Any]]:
-    return ("a poisoned job", {"temperature": 0, "seed": seed, "max_tokens": 12,
+    # (sampled: plain greedy rows skip the sampler's rows, where the poison is)
+    return ("a poisoned job", {"temperature": 0.8, "seed": seed, "max_tokens": 12,
                                "ignore_eos": True})
 
 

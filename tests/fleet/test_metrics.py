@@ -99,8 +99,26 @@ def scrape(port: int) -> Scrape:
     return result
 
 
+@pytest.fixture
+def long_llama(tiny_llama: Path, tmp_path: Path) -> Path:
+    """The tiny llama with room for 8,192 positions (RoPE tables have no weights), so a job of
+    4,000 tokens (the job cap; 256 blocks hold 4,096) holds the worker's only slot for seconds
+    however fast the machine is."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    path = tmp_path / "llama"
+    shutil.copytree(tiny_llama, path)
+    config = AutoConfig.from_pretrained(str(path))
+    config.max_position_embeddings = 8192
+    config.save_pretrained(str(path))
+    return path
+
+
 def test_metrics_count_exactly_what_the_worker_did(
-        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path) -> None:
+        redis_server: RedisServer, workers: WorkerFactory, long_llama: Path) -> None:
+    tiny_llama = long_llama  # (the same weights and tokenizer)
     port = free_port()
     proc = workers.start(redis_server.url, tiny_llama, "metered", "--max-num-seqs", "1",
                          "--metrics-port", str(port))
@@ -119,7 +137,7 @@ def test_metrics_count_exactly_what_the_worker_did(
 
     # One slot: a long job holds it while three more wait in the stream (exactly 3 lag).
     client = Client(redis_server.url)
-    long_job = client.submit("the quick brown", {"temperature": 0, "max_tokens": 500,
+    long_job = client.submit("the quick brown", {"temperature": 0, "max_tokens": 4000,
                                                  "ignore_eos": True}, model="tiny")
     stream = long_job.stream(timeout=60)
     assert next(stream)["type"] == "started"
