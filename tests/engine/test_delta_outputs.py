@@ -109,3 +109,62 @@ def test_output_kind_is_validated(tiny_llama):
 
     with pytest.raises(ValueError, match="output_kind must be one of"):
         EngineConfig(model=str(tiny_llama), output_kind="deltas")
+
+
+class _CountingSampler:
+    """The engine's own sampler, counting how it was called."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+        self.calls = {"rows": 0, "greedy": 0}
+
+    def __call__(self, logits, rows):
+        self.calls["rows"] += 1
+        return self.sampler(logits, rows)
+
+    def greedy(self, logits):
+        self.calls["greedy"] += 1
+        return self.sampler.greedy(logits)
+
+
+def test_plain_greedy_batches_skip_the_sampler_and_match_the_general_path(tiny_llama):
+    prompts = random_prompts(6, seed=41)
+    greedy = [SamplingParams(temperature=0, max_tokens=12 + i, ignore_eos=i % 2 == 0,
+                             stop_token_ids=[5] if i == 3 else []) for i in range(6)]
+    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True)
+    runs = {}
+    for name, extra in (("greedy only", []), ("with a sampled request", [sampled])):
+        engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01,
+                                     output_kind="delta"))
+        counting = _CountingSampler(engine.sampler)
+        engine.sampler = counting
+        seen = _run(engine, prompts + ["a sampled one"] * len(extra), greedy + extra)
+        runs[name] = ({rid: ([t for o in outs for c in o.outputs for t in c.token_ids],
+                             outs[-1].outputs[0].finish_reason,
+                             outs[-1].outputs[0].cumulative_logprob)
+                       for rid, outs in seen.items() if int(rid) < 6}, counting.calls)
+    fast, fast_calls = runs["greedy only"]
+    general, general_calls = runs["with a sampled request"]
+    assert fast_calls["rows"] == 0 and fast_calls["greedy"] > 0
+    # (the sampled request outlives every greedy one: each of their steps took the rows path)
+    assert general_calls["greedy"] == 0 and general_calls["rows"] > 0
+    assert fast == general
+    assert {reason for _, reason, _ in fast.values()} <= {"length", "stop"}
+    assert all(logprob is None for _, _, logprob in fast.values())  # (none asked for)
+    assert [len(ids) for ids, reason, _ in fast.values() if reason == "length"] == [
+        12 + i for i in range(6) if fast[str(i)][1] == "length"]
+
+
+def test_request_metrics_are_read_from_the_request(tiny_llama):
+    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01, output_kind="delta"))
+    engine.add_request("m", "the quick brown fox", SamplingParams(temperature=0, max_tokens=5,
+                                                                  ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    first, last = outs[0].metrics, outs[-1].metrics
+    assert sorted(last) == ["arrival_time", "latency", "num_preemptions",
+                            "time_to_first_token"]
+    assert first["arrival_time"] == last["arrival_time"]
+    assert 0 <= last["time_to_first_token"] <= last["latency"]
+    assert last["num_preemptions"] == 0.0
