@@ -21,6 +21,7 @@ so both see the same machine; the ratio is reported per round. Nothing is assert
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -200,10 +201,13 @@ def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
+    from worker.main import tune_gc
 
     threads = torch.get_num_threads()
     engine = Engine(EngineConfig(model=str(model_dir), num_gpu_blocks_override=8192,
                                  swap_space=0.01, num_threads=1, output_kind="delta"))
+    thresholds = gc.get_threshold()
+    tune_gc()  # as `genq worker` does after loading its engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     figures = []
     for r in range(rounds + 1):  # the first round warms up
@@ -218,6 +222,8 @@ def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
         if r:
             figures.append({"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed})
     torch.set_num_threads(threads)
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
     return figures
 
 
