@@ -288,7 +288,7 @@ class Writer(threading.Thread):
 
     def _mark_gone(self, entry_id: str, deliveries: int, now: float) -> None:
         key = (entry_id, deliveries)
-        if key not in self._gone:
+        if self._gone.pop(key, None) is None:  # (popped: it moves to the newest end)
             self._gone_ids[entry_id] = self._gone_ids.get(entry_id, 0) + 1
         self._gone[key] = now
 

@@ -295,3 +295,20 @@ def test_after_a_claim_an_entry_the_first_write_did_not_carry_is_checked_at_its_
     assert writer.lost.empty()
     assert [[e["pos"] for e in events_of(redis_server, j)] for j in ("j0", "j1", "j2")] == [
         [0], [0], [0]]
+
+
+def test_gone_attempts_are_forgotten_ten_seconds_after_their_last_mark() -> None:
+    # (no Redis call: the bookkeeping alone, on a writer that never starts)
+    writer = Writer(redis.Redis(), JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    writer._mark_gone("1-0", 1, now=100.0)
+    writer._mark_gone("2-0", 1, now=101.0)
+    writer._mark_gone("1-0", 2, now=102.0)  # the same entry, a later attempt
+    writer._mark_gone("1-0", 1, now=105.0)  # marked again: its 10 s start over
+    assert writer._gone_ids == {"1-0": 2, "2-0": 1}
+    writer._forget_gone(now=111.5)  # 2-0 (101) goes, then 1-0/2 (102) is still young enough
+    assert list(writer._gone) == [("1-0", 2), ("1-0", 1)]
+    assert writer._gone_ids == {"1-0": 2}
+    writer._forget_gone(now=112.5)
+    assert list(writer._gone) == [("1-0", 1)] and writer._gone_ids == {"1-0": 1}
+    writer._forget_gone(now=115.5)
+    assert writer._gone == {} and writer._gone_ids == {}
