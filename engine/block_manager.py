@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from engine.prefix_cache import CachingAllocator
 
 
+_NO_HASHES: dict[int, bytes] = {}  # (block -> hash without a prefix cache: never written)
+
+
 class AllocStatus(enum.Enum):
     OK = "ok"  # fits now
     LATER = "later"  # fits once others free blocks
@@ -173,7 +176,7 @@ class BlockManager:
         end = seq.num_computed_tokens + num_new_tokens
         needed = max(0, self.blocks_for(end) - len(table))
         first = seq.num_computed_tokens // self.block_size
-        cached = self.cache.hash_of if self.cache is not None else {}
+        cached = self.cache.hash_of if self.cache is not None else _NO_HASHES
         for i in range(first, min(len(table), self.blocks_for(end))):
             if self.device.ref_counts[table[i]] > 1 or table[i] in cached:
                 needed += 1
@@ -187,7 +190,7 @@ class BlockManager:
         first = seq.num_computed_tokens // self.block_size
         # Shared blocks are copied on write, and so are cached ones (a wholly cached prompt's
         # last block): a cached block's contents never change.
-        cached = self.cache.hash_of if self.cache is not None else {}
+        cached = self.cache.hash_of if self.cache is not None else _NO_HASHES
         for i in range(first, min(len(table), self.blocks_for(end))):
             old = table[i]
             if self.device.ref_counts[old] > 1 or old in cached:

@@ -89,7 +89,6 @@ class Writer(threading.Thread):
         self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries no longer ours
         self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
         self.num_events_written = 0  # after coalescing
-        self.num_token_events_in = 0  # as the loop produced them
         self._queue: queue.Queue[Batch | None] = queue.Queue()
         self._ttl_set_at: dict[str, float] = {}  # reply key -> when this writer last set its TTL
         self.error: BaseException | None = None
@@ -276,7 +275,6 @@ class Writer(threading.Thread):
                 for entry_id in lost:
                     self.lost.put(entry_id)
         self.num_events_written += num_events
-        self.num_token_events_in += sum(len(w.events) for w in batch.events)
         for fin in batch.finishes:
             if fin.reply_key is not None:
                 ttl_at.pop(fin.reply_key, None)

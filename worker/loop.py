@@ -158,9 +158,7 @@ class Worker:
     # ------------------------------------------------------------------ one iteration
 
     def _iteration(self, reading: bool) -> None:
-        self._take_writer_feedback()
-        self._apply_cancels()
-        self._expire_deadlines()
+        self._housekeeping()
         if reading:
             self._read_new()
         if self.engine.has_unfinished():
@@ -173,8 +171,18 @@ class Worker:
         elif not reading or self._capacity() == 0:
             time.sleep(0.002)  # nothing to step; wait for the writer to finish what is held
         self._stats = self.engine.stats()
+        self._wait_for_writer()
+
+    def _housekeeping(self) -> None:
+        """Before a step: the writer's feedback, cancels, deadlines."""
+        self._take_writer_feedback()
+        self._apply_cancels()
+        self._expire_deadlines()
+
+    def _wait_for_writer(self) -> None:
+        """After a step: while the writer is behind (e.g. Redis is down), wait for it."""
         while self.writer.backlog() > 8 and not self._drain_expired():
-            time.sleep(0.002)  # the writer is behind (e.g. Redis is down): wait for it
+            time.sleep(0.002)
             self._take_writer_feedback()
 
     def _drain_expired(self) -> bool:

@@ -99,9 +99,7 @@ class Quarantine:
                     return
                 self._start(self.groups.popleft())
                 continue
-            w._take_writer_feedback()
-            w._apply_cancels()
-            w._expire_deadlines()
+            w._housekeeping()
             if not engine.has_unfinished():
                 continue
             try:
@@ -114,9 +112,7 @@ class Quarantine:
                 self._resume_streams()
             w._emit(outputs)
             w._stats = engine.stats()
-            while w.writer.backlog() > 8 and not w._drain_expired():
-                time.sleep(0.002)
-                w._take_writer_feedback()
+            w._wait_for_writer()
 
     def _failed(self, exc: Exception) -> None:
         """A step raised: abort the engine's requests, then convict or halve its suspects."""

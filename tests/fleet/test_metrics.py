@@ -118,9 +118,8 @@ def long_llama(tiny_llama: Path, tmp_path: Path) -> Path:
 
 def test_metrics_count_exactly_what_the_worker_did(
         redis_server: RedisServer, workers: WorkerFactory, long_llama: Path) -> None:
-    tiny_llama = long_llama  # (the same weights and tokenizer)
     port = free_port()
-    proc = workers.start(redis_server.url, tiny_llama, "metered", "--max-num-seqs", "1",
+    proc = workers.start(redis_server.url, long_llama, "metered", "--max-num-seqs", "1",
                          "--metrics-port", str(port))
     wait_heartbeats(redis_server, [proc])
     first = wait_for(lambda: scrape(port).has("genq_queue_lag") and scrape(port), timeout=10,
@@ -184,7 +183,7 @@ def test_metrics_count_exactly_what_the_worker_did(
     assert idle.get("genq_engine_kv_cache_usage_ratio") == 0
     assert idle.get("genq_engine_preemptions_total", mode="recompute") == 0
     assert idle.get("genq_engine_preemptions_total", mode="swap") == 0
-    long_prompt = len(AutoTokenizer.from_pretrained(str(tiny_llama))("the quick brown").input_ids)
+    long_prompt = len(AutoTokenizer.from_pretrained(str(long_llama))("the quick brown").input_ids)
     assert idle.get("genq_engine_prompt_tokens_total") == long_prompt + sum(
         r["usage"]["prompt_tokens"] for r in results)
     assert idle.get("genq_engine_prefix_cache_hit_tokens_total") == 0  # (caching is off)
