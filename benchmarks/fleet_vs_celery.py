@@ -88,13 +88,17 @@ def start_genq(url: str, model_dir: Path, procs: list[subprocess.Popen[bytes]],
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     log = open(logdir / "genq-worker.log", "wb")  # noqa: SIM115 (closed with the process)
-    procs.append(subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "producer.cli", "worker", "--redis", url, "--model",
          str(model_dir), "--served-model-name", "tiny", "--name", "bench", "--num-threads", "1",
-         "--num-gpu-blocks-override", "8192", "--swap-space", "0.01"], cwd=REPO, env=env,
-        stdout=log, stderr=subprocess.STDOUT))
+         "--num-gpu-blocks-override", "8192", "--swap-space", "0.01"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    procs.append(proc)
     conn = redis.Redis.from_url(url)
-    wait_until(lambda: conn.exists("genq:worker:bench"), 300, "the genq worker")
+    wait_until(lambda: conn.exists("genq:worker:bench") or proc.poll() is not None, 300,
+               "the genq worker")
+    if proc.poll() is not None:
+        raise RuntimeError(f"the genq worker exited ({proc.returncode}); see {log.name}")
     client = Client(url)
     run_bench(client, "tiny", 100, {"temperature": 0, "max_tokens": 1}, "warm up", True, 300)
     return client
