@@ -8,8 +8,10 @@
 (c) token events: 256 running requests on one worker (engine-bound on a CPU): tokens streamed/s
     and the tokens entries/s that carried them (when the writer falls behind Redis it sends a
     sequence's tokens of several steps in one entry); the writer thread alone with 256 owned
-    entries (the Redis-side ceiling of the fenced writes); and the same 256 requests on the
-    engine alone in this process, with no Redis (the model's own ceiling on this machine).
+    entries (the Redis-side ceiling of the fenced writes); the same 256 requests on the engine
+    alone in this process, with no Redis (the model's own ceiling on this machine), also while
+    a process spins on another core (Redis and the writer keep that core busy in the fleet); and
+    the 256 requests again through a worker run with --stream-interval 4 (4 tokens per event).
 
     python -m benchmarks.fleet_vs_celery [--jobs 2000] [--rounds 3] [--model DIR | --minimal-model]
                                          [--json out.json]
@@ -81,26 +83,27 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
 
 
 def start_genq(url: str, model_dir: Path, procs: list[subprocess.Popen[bytes]],
-               logdir: Path) -> Any:
-    """One genq worker process, warmed up; returns a Client."""
+               logdir: Path, name: str = "tiny", *extra: str) -> Any:
+    """One genq worker process serving `name` (also its worker name), warmed up; returns a
+    Client."""
     from producer.bench import run_bench
     from producer.client import Client
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    log = open(logdir / "genq-worker.log", "wb")  # noqa: SIM115 (closed with the process)
+    log = open(logdir / f"genq-worker-{name}.log", "wb")  # noqa: SIM115 (closed with it)
     proc = subprocess.Popen(
         [sys.executable, "-m", "producer.cli", "worker", "--redis", url, "--model",
-         str(model_dir), "--served-model-name", "tiny", "--name", "bench", "--num-threads", "1",
-         "--num-gpu-blocks-override", "8192", "--swap-space", "0.01"],
+         str(model_dir), "--served-model-name", name, "--name", name, "--num-threads", "1",
+         "--num-gpu-blocks-override", "8192", "--swap-space", "0.01", *extra],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     procs.append(proc)
     conn = redis.Redis.from_url(url)
-    wait_until(lambda: conn.exists("genq:worker:bench") or proc.poll() is not None, 300,
+    wait_until(lambda: conn.exists(f"genq:worker:{name}") or proc.poll() is not None, 300,
                "the genq worker")
     if proc.poll() is not None:
         raise RuntimeError(f"the genq worker exited ({proc.returncode}); see {log.name}")
     client = Client(url)
-    run_bench(client, "tiny", 100, {"temperature": 0, "max_tokens": 1}, "warm up", True, 300)
+    run_bench(client, name, 100, {"temperature": 0, "max_tokens": 1}, "warm up", True, 300)
     return client
 
 
@@ -111,10 +114,10 @@ def genq_round_trips(client: Any, jobs: int) -> dict[str, Any]:
                      "the quick brown fox", True, 600)
 
 
-def genq_running_256(client: Any) -> dict[str, Any]:
+def genq_running_256(client: Any, name: str = "tiny") -> dict[str, Any]:
     from producer.bench import run_bench
 
-    return run_bench(client, "tiny", 256, {"temperature": 0, "max_tokens": 64,
+    return run_bench(client, name, 256, {"temperature": 0, "max_tokens": 64,
                                            "ignore_eos": True}, "the quick brown fox", True, 600)
 
 
@@ -196,10 +199,12 @@ def celery_round_trips(jobs: int) -> dict[str, Any]:
 
 
 def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
-                 rounds: int = 2) -> list[dict[str, Any]]:
+                 rounds: int = 2, busy_core: bool = False) -> list[dict[str, Any]]:
     """The same 256 requests on the worker's engine configuration, in this process, with no
     Redis: the ceiling the fleet's streaming figure is measured against (one thread, as the
-    worker has). Run while the worker is idle."""
+    worker has). Run while the worker is idle. `busy_core`: while a process spins on another
+    core, as Redis, the writer and the client keep the worker's second core busy (on a VM whose
+    cores share a physical one, that alone slows the engine)."""
     import torch
 
     from engine.config import EngineConfig
@@ -214,6 +219,7 @@ def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
     tune_gc()  # as `genq worker` does after loading its engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     figures = []
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy_core else None
     for r in range(rounds + 1):  # the first round warms up
         for i in range(num_jobs):
             engine.add_request(f"r{r}-{i}", "the quick brown fox", params)
@@ -225,6 +231,9 @@ def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
         elapsed = time.perf_counter() - start
         if r:
             figures.append({"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed})
+    if spinner is not None:
+        spinner.kill()
+        spinner.wait()
     torch.set_num_threads(threads)
     gc.set_threshold(*thresholds)
     gc.unfreeze()
@@ -271,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         url = start_redis(tmp, procs)
         model = Path(args.model) if args.model else tiny_model(tmp, args.minimal_model)
         client = start_genq(url, model, procs, tmp)
+        # The same worker with --stream-interval 4 (idle until its streaming rounds).
+        start_genq(url, model, procs, tmp, "tiny-si4", "--stream-interval", "4")
         has_celery = start_celery(url, procs, tmp)
         rounds: list[dict[str, Any]] = []
         for _ in range(args.rounds):  # alternating, so both see the same machine
@@ -281,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         figures: dict[str, Any] = {"rounds": rounds,
                                    "running_256": [genq_running_256(client)
                                                    for _ in range(args.rounds)],
+                                   "running_256_si4": [genq_running_256(client, "tiny-si4")
+                                                       for _ in range(args.rounds)],
                                    "writer": bench_writer(url),
-                                   "engine_alone_256": engine_alone(model)}
+                                   "engine_alone_256": engine_alone(model),
+                                   "engine_alone_256_busy": engine_alone(model, busy_core=True)}
         report(figures)
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
@@ -345,9 +359,15 @@ def report(f: dict[str, Any]) -> None:
         print(f"256 running requests on one CPU worker: {many['tokens_per_s']:.0f} tokens/s "
               f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
               f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
+    for many in f["running_256_si4"]:
+        print(f"the same with --stream-interval 4: {many['tokens_per_s']:.0f} tokens/s "
+              f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
+              f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
     for alone in f["engine_alone_256"]:
         print(f"the same 256 requests on the engine alone (no Redis, one thread): "
               f"{alone['tokens_per_s']:.0f} tokens/s")
+    for alone in f["engine_alone_256_busy"]:
+        print(f"the engine alone while another core spins: {alone['tokens_per_s']:.0f} tokens/s")
     w = f["writer"]
     for mode in ("per_step", "free_running"):
         m = w[mode]

@@ -96,7 +96,8 @@ class Admission:
                         fields=dict(fields), reply_key=self.keys.reply(spec.id),
                         stream_tokens=spec.stream and not params.use_beam_search
                         and params.best_of == params.n,
-                        token_texts=self.token_texts if params.logprobs is not None else None)
+                        token_texts=self.token_texts if params.logprobs is not None else None,
+                        stream_interval=self.cfg.stream_interval)
         return Admitted(job, prompt, params)
 
     def _params(self, spec: JobSpec) -> dict[str, Any]:

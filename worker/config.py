@@ -26,6 +26,7 @@ class WorkerConfig:
     limits: Limits = field(default_factory=Limits)
     metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off
     metrics_host: str = "0.0.0.0"
+    stream_interval: int = 1  # tokens per sequence per tokens event (the first goes at once)
 
     def __post_init__(self) -> None:
         validate_name(self.served_model_name, "served model name")
@@ -45,6 +46,9 @@ class WorkerConfig:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0 (off) or a TCP port, got "
                              f"{self.metrics_port}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1 token, got "
+                             f"{self.stream_interval}")
         if self.block_ms < 1:
             raise ValueError(f"block_ms must be at least 1, got {self.block_ms}")
 

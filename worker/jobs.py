@@ -30,6 +30,11 @@ class ActiveJob:
     top_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     token_texts: TokenTexts | None = None  # set when the job asked for logprobs
     logprob_rows: dict[tuple[int, int], list[list[Any]]] = field(default_factory=dict)
+    # --stream-interval: a sequence's tokens go out every `stream_interval` tokens (the first
+    # at once, the rest when it ends); `streamed` counts those sent, `held_text` what they read.
+    stream_interval: int = 1
+    streamed: dict[int, int] = field(default_factory=dict)
+    held_text: dict[int, str] = field(default_factory=dict)
 
     @property
     def job_id(self) -> str:
@@ -53,6 +58,12 @@ def token_events(job: ActiveJob, output: RequestOutput) -> tuple[list[dict[str, 
             job.texts[index].append(text)
         if comp.logprobs:
             job.top_logprobs.setdefault(index, []).extend(comp.logprobs)
+        if job.stream_interval > 1 and job.stream_tokens:
+            new_tokens += len(new)
+            event = _interval_event(job, output, comp, ids)
+            if event is not None:
+                events.append(event)
+            continue
         if not new:
             continue  # text without a token (held back until the end) goes in the done event
         new_tokens += len(new)
@@ -66,6 +77,24 @@ def token_events(job: ActiveJob, output: RequestOutput) -> tuple[list[dict[str, 
     if new_tokens and job.first_token_at is None:
         job.first_token_at = time.time()
     return events, new_tokens
+
+
+def _interval_event(job: ActiveJob, output: RequestOutput, comp: CompletionOutput,
+                    ids: list[int]) -> dict[str, Any] | None:
+    """The tokens event of sequence `comp.index` under a stream interval, when one is due: its
+    first token, then every `stream_interval` tokens, and what is left when it ends."""
+    index = comp.index
+    sent = job.streamed.get(index, 0)
+    if comp.text:
+        job.held_text[index] = job.held_text.get(index, "") + comp.text
+    ended = output.finished or comp.finish_reason is not None
+    if len(ids) == sent or not (sent == 0 or len(ids) - sent >= job.stream_interval or ended):
+        return None
+    job.streamed[index] = len(ids)
+    text = job.held_text.pop(index, "")
+    logprobs = _logprobs(job, output.prompt_token_ids, index, sent) \
+        if index in job.top_logprobs else None
+    return tokens_event(job.attempt, index, sent, ids[sent:], text, logprobs)
 
 
 def terminal_event(job: ActiveJob, output: RequestOutput) -> bytes:

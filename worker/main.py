@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-attempts", type=int, default=3)
     r.add_argument("--result-ttl", type=int, default=3600, help="reply stream TTL (s)")
     r.add_argument("--drain-timeout", type=float, default=30.0)
+    s = p.add_argument_group("streaming")
+    s.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per sequence per tokens event: each sequence's first token is "
+                        "sent at once, then every N tokens and the rest when it ends (fewer, "
+                        "larger events: less worker and Redis CPU per token; default 1: every "
+                        "token as it comes)")
     m = p.add_argument_group("metrics")
     m.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                            reclaim_interval=args.reclaim_interval, max_attempts=args.max_attempts,
                            result_ttl=args.result_ttl, drain_timeout=args.drain_timeout,
                            limits=limits, metrics_port=args.metrics_port,
-                           metrics_host=args.metrics_host)
+                           metrics_host=args.metrics_host,
+                           stream_interval=args.stream_interval)
     except ValueError as exc:
         print(f"genq worker: {exc}", file=sys.stderr)
         return 2
