@@ -9,9 +9,8 @@
     and the tokens entries/s that carried them (when the writer falls behind Redis it sends a
     sequence's tokens of several steps in one entry); the writer thread alone with 256 owned
     entries (the Redis-side ceiling of the fenced writes); the same 256 requests on the engine
-    alone in this process, with no Redis (the model's own ceiling on this machine), also while
-    a process spins on another core (Redis and the writer keep that core busy in the fleet); and
-    the 256 requests again through a worker run with --stream-interval 4 (4 tokens per event).
+    alone in this process, with no Redis (the model's own ceiling on this machine); and the 256
+    requests again through a worker run with --stream-interval 4 (4 tokens per event).
 
     python -m benchmarks.fleet_vs_celery [--jobs 2000] [--rounds 3] [--model DIR | --minimal-model]
                                          [--json out.json]
@@ -199,12 +198,10 @@ def celery_round_trips(jobs: int) -> dict[str, Any]:
 
 
 def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
-                 rounds: int = 2, busy_core: bool = False) -> list[dict[str, Any]]:
+                 rounds: int = 2) -> list[dict[str, Any]]:
     """The same 256 requests on the worker's engine configuration, in this process, with no
     Redis: the ceiling the fleet's streaming figure is measured against (one thread, as the
-    worker has). Run while the worker is idle. `busy_core`: while a process spins on another
-    core, as Redis, the writer and the client keep the worker's second core busy (on a VM whose
-    cores share a physical one, that alone slows the engine)."""
+    worker has). Run while the worker is idle."""
     import torch
 
     from engine.config import EngineConfig
@@ -219,7 +216,6 @@ def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
     tune_gc()  # as `genq worker` does after loading its engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     figures = []
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy_core else None
     for r in range(rounds + 1):  # the first round warms up
         for i in range(num_jobs):
             engine.add_request(f"r{r}-{i}", "the quick brown fox", params)
@@ -231,9 +227,6 @@ def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
         elapsed = time.perf_counter() - start
         if r:
             figures.append({"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed})
-    if spinner is not None:
-        spinner.kill()
-        spinner.wait()
     torch.set_num_threads(threads)
     gc.set_threshold(*thresholds)
     gc.unfreeze()
@@ -295,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "running_256_si4": [genq_running_256(client, "tiny-si4")
                                                        for _ in range(args.rounds)],
                                    "writer": bench_writer(url),
-                                   "engine_alone_256": engine_alone(model),
-                                   "engine_alone_256_busy": engine_alone(model, busy_core=True)}
+                                   "engine_alone_256": engine_alone(model)}
         report(figures)
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
@@ -366,8 +358,6 @@ def report(f: dict[str, Any]) -> None:
     for alone in f["engine_alone_256"]:
         print(f"the same 256 requests on the engine alone (no Redis, one thread): "
               f"{alone['tokens_per_s']:.0f} tokens/s")
-    for alone in f["engine_alone_256_busy"]:
-        print(f"the engine alone while another core spins: {alone['tokens_per_s']:.0f} tokens/s")
     w = f["writer"]
     for mode in ("per_step", "free_running"):
         m = w[mode]
