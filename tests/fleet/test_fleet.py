@@ -111,13 +111,17 @@ def test_64_jobs_through_two_workers_equal_offline_outputs(
     assert all(r["attempt"] == 1 for r in results)
 
 
+@pytest.mark.parametrize("intervals", [("1", "1"), ("4", "3")],
+                         ids=["every-token", "stream-intervals-4-then-3"])
 def test_kill_9_mid_generation_every_job_completes_once_on_the_survivor(
-        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
-        offline: Oracle) -> None:
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path, offline: Oracle,
+        intervals: tuple[str, str]) -> None:
+    """With stream intervals that differ, the survivor's replay chunks straddle what the victim
+    delivered: the client still sees each position once."""
     victim = workers.start(redis_server.url, tiny_llama, "w1", "--max-num-seqs", "32",
-                           "--result-ttl", "600")
+                           "--result-ttl", "600", "--stream-interval", intervals[0])
     survivor = workers.start(redis_server.url, tiny_llama, "w2", "--max-num-seqs", "8",
-                             "--result-ttl", "600")
+                             "--result-ttl", "600", "--stream-interval", intervals[1])
     wait_heartbeats(redis_server, [victim, survivor])
     prompts = corpus(30, seed=11)
     # 300 tokens each: none of w1's jobs can finish between "20+ held" and the kill.
