@@ -9,6 +9,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis import ConnectionError as RedisConnectionError
+from redis import ResponseError as RedisResponseError
 from redis import TimeoutError as RedisTimeoutError
 
 from producer.client import (
@@ -17,6 +18,7 @@ from producer.client import (
     ClientSettings,
     Messages,
     Prompt,
+    ResultExpired,
     make_job_spec,
     result_from_events,
 )
@@ -26,6 +28,7 @@ from producer.protocol import (
     decode_event,
 )
 from producer.replies import ReplyDeduper
+from producer.results import ENDED_MARK
 
 
 def connect_async(url: str, *, blocking: bool = False) -> aioredis.Redis:
@@ -101,8 +104,21 @@ class AsyncJob:
                 for entry_id, fields in entries:
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                     yield decode_event(fields[REPLY_FIELD.encode()])
+            if not entries_by_key and last_id == "0-0" and await self._expired():
+                raise ResultExpired(self.id)
             if end is not None and time.monotonic() >= end:
                 raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")
+
+    async def _expired(self) -> bool:
+        """Job._expired's mirror (producer.results.reply_expired)."""
+        pipe = self.client.redis.pipeline(transaction=False)
+        pipe.get(self.client.keys.idem(self.id))
+        pipe.exists(self.reply_key)
+        try:
+            mark, exists = await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError, RedisResponseError):
+            return False
+        return mark == ENDED_MARK and not exists
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
         dedupe = ReplyDeduper()

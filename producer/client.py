@@ -23,7 +23,7 @@ from producer.protocol import (
     encode_job_entry,
 )
 from producer.replies import ReplyDeduper
-from producer.results import wait_results
+from producer.results import reply_expired, wait_results
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_IDEMPOTENCY_TTL = 24 * 3600
@@ -41,6 +41,17 @@ class JobError(RuntimeError):
         self.job_id = job_id
         self.code = code
         self.message = message
+
+
+class ResultExpired(JobError):
+    """The job ended, but its reply stream expired before it was read: waiting longer would
+    never see it (code "result_expired")."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id, "result_expired",
+                         "the job ended, but its reply stream has expired: reply streams live "
+                         "the worker's --result-ttl (default 1 h) after the job ends; read "
+                         "results within it, or raise it")
 
 
 def connect(url: str, *, blocking: bool = False) -> redis.Redis:
@@ -205,8 +216,18 @@ class Job:
                 for entry_id, fields in entries:
                     last_id = as_str(entry_id)
                     yield decode_event(fields[REPLY_FIELD.encode()])
+            # Nothing yet after a second's wait: has it ended and expired already?
+            if not entries_by_key and last_id == "0-0" and self._expired():
+                raise ResultExpired(self.id)
             if end is not None and time.monotonic() >= end:
                 raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")
+
+    def _expired(self) -> bool:
+        try:
+            return reply_expired(self.client.redis, self.client.keys.idem(self.id),
+                                 self.reply_key)
+        except _RETRYABLE:
+            return False
 
     def stream(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """started / tokens / restart / done / error events; each (index, pos) once."""

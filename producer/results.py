@@ -96,6 +96,25 @@ return out
 _SCRIPT_REFUSED: weakref.WeakSet[redis.Redis] = weakref.WeakSet()
 
 
+ENDED_MARK = b"ended"  # FINISH_LUA sets a job's idempotency key to this with its terminal event
+_EXPIRY_CHECK_S = 1.0  # how often streams with no entry yet are asked whether they expired
+
+
+def reply_expired(conn: redis.Redis, idem_key: str, reply_key: str) -> bool:
+    """Whether a job's result expired unread: its idempotency key carries the worker's ended
+    mark and its reply stream is gone. Read in that order: the mark is written with the terminal
+    event, so a stream missing after the mark was seen has expired. False when this user may not
+    read the key (an ACL without the README's GET on idem keys): the caller waits as before."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.get(idem_key)
+    pipe.exists(reply_key)
+    try:
+        mark, exists = pipe.execute()
+    except redis.ResponseError:
+        return False
+    return mark == ENDED_MARK and not exists
+
+
 def pass_interval(unfinished: int) -> float:
     """The least time in seconds between the starts of two passes over `unfinished` streams."""
     return min(_PACE_MAX_S, max(_PACE_MIN_S, unfinished * _PACE_PER_STREAM_S))
@@ -112,6 +131,7 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
     end = None if timeout is None else time.monotonic() + timeout
     wait = _Wait(conn, jobs)
     next_pass = 0.0
+    next_expiry_check = time.monotonic() + _EXPIRY_CHECK_S
     backoff = 0.05
     while wait.waiting:
         now = time.monotonic()
@@ -125,6 +145,12 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
         except _RETRYABLE:
             time.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+        if wait.waiting and time.monotonic() >= next_expiry_check:
+            next_expiry_check = time.monotonic() + _EXPIRY_CHECK_S
+            try:
+                wait.expired_pass()
+            except _RETRYABLE:
+                pass
         if wait.waiting and end is not None and time.monotonic() >= end:
             late = TimeoutError(f"{len(wait.waiting)} of {len(jobs)} job(s) had no terminal "
                                 f"event within {timeout} s")
@@ -180,6 +206,32 @@ class _Wait:
         (at once if one has), or after block_ms."""
         oldest = list(self.waiting)[:_STREAMS_PER_READ]
         self.conn.xread({k: self.seen[k] for k in oldest}, count=1, block=block_ms)
+
+    def expired_pass(self) -> None:
+        """Jobs whose stream has shown no entry yet: those whose result expired unread
+        (reply_expired, for many: one MGET of marks per 512, then EXISTS for the marked) end
+        with ResultExpired."""
+        from producer.client import ResultExpired
+
+        never = [k for k in self.waiting if self.seen[k] == "0-0"]
+        for lo in range(0, len(never), _STREAMS_PER_READ):
+            chunk = never[lo:lo + _STREAMS_PER_READ]
+            jobs = [self.jobs[self.waiting[k]] for k in chunk]
+            try:
+                marks = self.conn.mget([job.client.keys.idem(job.id) for job in jobs])
+            except redis.ResponseError:
+                return  # no GET on idem keys for this user: wait as before
+            marked = [k for k, mark in zip(chunk, marks, strict=True) if mark == ENDED_MARK]
+            if not marked:
+                continue
+            pipe = self.conn.pipeline(transaction=False)
+            for key in marked:
+                pipe.exists(key)
+            for key, exists in zip(marked, pipe.execute(), strict=True):
+                if not exists:
+                    index = self.waiting.pop(key)
+                    del self.seen[key]
+                    self.out[index] = ResultExpired(self.jobs[index].id)
 
     def _pass_last_entries(self) -> int:
         changed = 0

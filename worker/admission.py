@@ -33,6 +33,7 @@ class Rejection:
     message: str
     dead: bool  # also dead-letter it (no reply key, or over max_attempts)
     raw_job: bytes | None
+    idem_key: str | None = None  # the job id's idempotency key (None: no valid id)
 
 
 @dataclass(slots=True)
@@ -66,12 +67,13 @@ class Admission:
             reply = self.keys.reply(exc.job_id) if exc.job_id else None
             return Rejection(entry_id, deliveries, deliveries, reply, exc.code, exc.message,
                              dead=reply is None or deliveries > self.cfg.max_attempts,
-                             raw_job=raw_job)
+                             raw_job=raw_job,
+                             idem_key=self.keys.idem(exc.job_id) if exc.job_id else None)
         attempt = attempt_base + deliveries
 
         def reject(code: str, message: str, dead: bool = False) -> Rejection:
             return Rejection(entry_id, deliveries, attempt, self.keys.reply(spec.id), code,
-                             message, dead, raw_job)
+                             message, dead, raw_job, self.keys.idem(spec.id))
 
         if deliveries > self.cfg.max_attempts:
             return reject("max_attempts", f"the job was delivered {deliveries} times (limit "

@@ -48,6 +48,7 @@ class FinishWrite:
     event: bytes | None
     dead_fields: list[object] = field(default_factory=list)
     readd_fields: list[object] = field(default_factory=list)
+    idem_key: str | None = None  # marked 'ended' with the terminal event (FINISH_LUA)
 
 
 @dataclass(slots=True)
@@ -242,8 +243,7 @@ class Writer(threading.Thread):
         for lo in range(0, len(batch.finishes), step):
             fins = batch.finishes[lo:lo + step]
             self.scripts.queue(pipe, self.scripts.finish,
-                               [self.jobs_key, self.dead_key,
-                                *(fin.reply_key or self.jobs_key for fin in fins)],
+                               finish_keys(fins, self.jobs_key, self.dead_key),
                                finish_args(fins, self.group, self.me, self.reply_ttl,
                                            self.dead_ttl))
         results = pipe.execute()
@@ -304,12 +304,18 @@ class Writer(threading.Thread):
                 ids[oldest[0]] -= 1
 
 
+def finish_keys(finishes: list[FinishWrite], jobs_key: str, dead_key: str) -> list[str]:
+    """KEYS of one FINISH_LUA call for `finishes`."""
+    return [jobs_key, dead_key, *(fin.reply_key or jobs_key for fin in finishes),
+            *(fin.idem_key or jobs_key for fin in finishes)]
+
+
 def finish_args(finishes: list[FinishWrite], group: str, me: str, reply_ttl: int,
                 dead_ttl: int) -> list[Any]:
     """ARGV of one FINISH_LUA call (worker/scripts.py) for `finishes`. The index is packed with
     msgpack's str type for bytes too: Redis's cmsgpack reads it as Lua strings."""
     index = [[fin.entry_id, fin.deliveries, len(fin.event or b""), fin.dead_fields,
-              fin.readd_fields] for fin in finishes]
+              fin.readd_fields, fin.idem_key is not None] for fin in finishes]
     blob = b"".join(fin.event or b"" for fin in finishes)
     return [group, me, reply_ttl, dead_ttl, msgpack.packb(index, use_bin_type=False), blob]
 

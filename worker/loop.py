@@ -252,7 +252,8 @@ class Worker:
 
     def _rejection(self, job: ActiveJob, code: str, message: str) -> Rejection:
         return Rejection(job.entry_id, job.deliveries, job.attempt, job.reply_key, code, message,
-                         dead=False, raw_job=job.fields.get(b"job"))
+                         dead=False, raw_job=job.fields.get(b"job"),
+                         idem_key=self.keys.idem(job.job_id))
 
     def _reject(self, r: Rejection, batch: Batch) -> None:
         log.info("rejected entry %s (%s): %s", r.entry_id, r.code, r.message)
@@ -266,7 +267,8 @@ class Worker:
         event = encode_event(error_event(r.attempt, r.code, r.message)) if r.reply_key else None
         self.finishing.add(r.entry_id)
         batch.finishes.append(FinishWrite(r.entry_id, r.deliveries, r.reply_key, event,
-                                          dead_fields=dead))
+                                          dead_fields=dead,
+                                          idem_key=r.idem_key if event is not None else None))
 
     # ------------------------------------------------------------------ outputs and endings
 
@@ -330,7 +332,9 @@ class Worker:
             del self.by_job_id[job.job_id]
         self.finishing.add(job.entry_id)
         batch.finishes.append(FinishWrite(job.entry_id, job.deliveries, job.reply_key, event,
-                                          readd_fields=readd_fields or []))
+                                          readd_fields=readd_fields or [],
+                                          idem_key=None if event is None
+                                          else self.keys.idem(job.job_id)))
 
     def _end_early(self, job: ActiveJob, code: str, message: str) -> None:
         self.engine.abort(job.entry_id)

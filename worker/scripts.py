@@ -83,11 +83,16 @@ return {fence, lost}
 # The ends of many attempts in one call. Per attempt: optional terminal event, optional dead
 # letter, optional re-add (a draining worker handing the job back), then XACK + XDEL; all or
 # nothing, and only if this worker still owns the entry.
-# KEYS: jobs stream, dead-letter stream, reply key of finish 1..k (the jobs stream when none).
+# KEYS: jobs stream, dead-letter stream, reply key of finish 1..k (the jobs stream when none),
+#       idem key of finish 1..k (the jobs stream when none).
 # ARGV: group, me, reply ttl, dead ttl,
-#       index = msgpack [[entry id, deliveries, event length, dead fields, re-add fields], ...]
-#       (field lists flat: name, value, ...; one per reply key, same order),
+#       index = msgpack [[entry id, deliveries, event length, dead fields, re-add fields,
+#       mark ended], ...] (field lists flat: name, value, ...; one per finish, same order),
 #       blob = the terminal events concatenated (length 0: no event).
+# A job's terminal event also marks its idempotency key (if it is still there: SET XX KEEPTTL)
+# 'ended': a client that finds no reply stream and that mark knows the result expired instead
+# of waiting for a job that will never write again (producer/client.py ResultExpired). pcall: a
+# worker user whose ACL predates the mark (no %W~genq:idem:*) still finishes its jobs.
 # Each entry's owner is checked on its own (XPENDING of that one id: a few finishes among many
 # held entries cost a few lookups, not a walk over all of them); no fence counter shortcut here.
 # Returns per finish 1 when written, 0 when the entry is no longer this worker's.
@@ -101,15 +106,17 @@ local function owns(id, deliveries)
 end
 local done = {}
 local offset = 1
-for k = 3, #KEYS do
-  local f = index[k - 2]
+local m = (#KEYS - 2) / 2
+for i = 1, m do
+  local f = index[i]
   local id, n = f[1], f[3]
   local event = string.sub(blob, offset, offset + n - 1)
   offset = offset + n
   if owns(id, tonumber(f[2])) then  -- (acked below: a second finish of it here is a no-op)
     if n > 0 then
-      redis.call('XADD', KEYS[k], '*', 'e', event)
-      redis.call('EXPIRE', KEYS[k], ttl)
+      redis.call('XADD', KEYS[2 + i], '*', 'e', event)
+      redis.call('EXPIRE', KEYS[2 + i], ttl)
+      if f[6] then redis.pcall('SET', KEYS[2 + m + i], 'ended', 'XX', 'KEEPTTL') end
     end
     if #f[4] > 0 then
       redis.call('XADD', KEYS[2], '*', unpack(f[4]))

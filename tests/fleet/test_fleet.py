@@ -213,10 +213,13 @@ def test_sigterm_hands_unfinished_jobs_back_at_once(
     assert conn.xpending(JOBS_KEY, GROUP)["pending"] == 0  # nothing waits for a heartbeat TTL
     assert conn.xlen(JOBS_KEY) == 3  # handed back as new entries
     assert not conn.exists(Keys().worker("w1"))
+    # A hand-back is no end: the jobs' idempotency keys carry no ended mark (ResultExpired)
+    assert [conn.get(Keys().idem(j.id)) for j in jobs] == [b"1"] * 3
     second = workers.start(redis_server.url, tiny_llama, "w2")
     results = [job.result(timeout=300) for job in jobs]
     assert [as_expected(r) for r in results] == expected_for(offline, prompts, params)
     assert [r["attempt"] for r in results] == [2, 2, 2]
+    assert [conn.get(Keys().idem(j.id)) for j in jobs] == [b"ended"] * 3
     assert second.alive()
 
 

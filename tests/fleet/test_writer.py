@@ -15,7 +15,15 @@ from producer.protocol import (
     tokens_event,
 )
 from tests.fleet.harness import RedisServer
-from worker.io_thread import Batch, EventWrite, FinishWrite, Writer, coalesce, finish_args
+from worker.io_thread import (
+    Batch,
+    EventWrite,
+    FinishWrite,
+    Writer,
+    coalesce,
+    finish_args,
+    finish_keys,
+)
 from worker.scripts import FENCE_TTL_S, Scripts
 
 KEYS = Keys()
@@ -85,9 +93,9 @@ def test_a_stale_delivery_count_is_fenced_too(redis_server: RedisServer) -> None
     (entry,) = setup_group(redis_server, "me", 1)
     conn = redis_server.client()
     conn.xclaim(JOBS, "workers", "me", 0, [entry])  # deliveries is now 2
-    done = Scripts(conn).finish(keys=[JOBS, KEYS.dead("m"), KEYS.reply("j0")],
-                                args=finish_args([FinishWrite(entry, 1, KEYS.reply("j0"), None)],
-                                                 "workers", "me", 60, 60))
+    fins = [FinishWrite(entry, 1, KEYS.reply("j0"), None)]
+    done = Scripts(conn).finish(keys=finish_keys(fins, JOBS, KEYS.dead("m")),
+                                args=finish_args(fins, "workers", "me", 60, 60))
     assert done == [0] and conn.xpending(JOBS, "workers")["pending"] == 1
 
 
@@ -217,7 +225,7 @@ def test_a_second_finish_of_one_entry_in_the_same_call_writes_nothing(
     (entry,) = setup_group(redis_server, "me", 1)
     conn = redis_server.client()
     fin = FinishWrite(entry, 1, KEYS.reply("j0"), encode_event(error_event(1, "x", "end")))
-    done = Scripts(conn).finish(keys=[JOBS, KEYS.dead("m"), KEYS.reply("j0"), KEYS.reply("j0")],
+    done = Scripts(conn).finish(keys=finish_keys([fin, fin], JOBS, KEYS.dead("m")),
                                 args=finish_args([fin, fin], "workers", "me", 60, 60))
     assert done == [1, 0]
     assert [e["type"] for e in events_of(redis_server, "j0")] == ["error"]

@@ -37,17 +37,19 @@ PASSWORDS = {"genq-worker": "worker-secret", "genq-producer": "producer-secret",
 # The gateway: a producer that also lists live workers' heartbeats and reads queue depths.
 _SUBMIT = "(~genq:jobs:* ~genq:idem:* +evalsha +xadd +set +expire)"
 RESULTS_SELECTOR = "(~genq:reply:* +evalsha +xrevrange)"  # Client.results' last-entry script
+ENDED_SELECTOR = "(%R~genq:idem:* +get +mget)"  # a job's ended mark (producer.results)
 ACL_RULES: dict[str, tuple[str, ...]] = {
     "genq-worker": (
         "resetkeys", "~genq:jobs:*", "~genq:reply:*", "~genq:dead:*", "~genq:worker:*",
-        "~genq:fence:*", "%R~genq:cancel:*", "resetchannels", "&genq:cancel", "-@all",
+        "~genq:fence:*", "%R~genq:cancel:*", "~genq:idem:*", "resetchannels", "&genq:cancel",
+        "-@all",
         "+xreadgroup", "+xack", "+xdel", "+xadd", "+xclaim", "+xpending", "+xinfo|consumers",
         "+xgroup|create", "+xgroup|delconsumer", "+evalsha", "+script|load", "+script|exists",
         "+set", "+get", "+incr", "+exists", "+expire", "+del", "+subscribe"),
     "genq-producer": (
         "resetkeys", "%R~genq:reply:*", "%W~genq:cancel:*", "resetchannels", "&genq:cancel",
         "-@all", "+xread", "+set", "+publish", "+script|load", "+script|exists", _SUBMIT,
-        RESULTS_SELECTOR),
+        RESULTS_SELECTOR, ENDED_SELECTOR),
     "genq-gateway": (
         "resetkeys", "%R~genq:reply:*", "%W~genq:cancel:*", "%R~genq:worker:*", "resetchannels",
         "&genq:cancel", "-@all", "+xread", "+set", "+publish", "+script|load",

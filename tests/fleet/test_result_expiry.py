@@ -1,0 +1,89 @@
+"""A result read after its reply stream expired: the worker marks the job's idempotency key
+'ended' with the terminal event, so a client that finds no reply stream but that mark raises
+ResultExpired at once instead of waiting out its timeout. A job that has not run yet is still
+waited for."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from producer import AsyncClient, Client, ResultExpired
+from producer.protocol import Keys
+from tests.fleet.harness import RedisServer, WorkerFactory, WorkerProcess, wait_for, wait_heartbeats
+
+KEYS = Keys()
+PARAMS = {"temperature": 0, "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def worker(server: RedisServer, tiny_llama: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    factory = WorkerFactory(tmp_path_factory.mktemp("workers"))
+    proc = factory.start(server.url, tiny_llama, "brief", "--result-ttl", "1")
+    wait_heartbeats(server, [proc])
+    yield proc
+    factory.stop_all()
+
+
+def expired(server: RedisServer, job_id: str) -> None:
+    conn = server.client()
+    wait_for(lambda: conn.get(KEYS.idem(job_id)) == b"ended"
+             and not conn.exists(KEYS.reply(job_id)), timeout=30, interval=0.1,
+             what=f"job {job_id} ended and its reply stream expired")
+
+
+def test_results_read_after_the_reply_expired_raise_result_expired(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    client = Client(server.url)
+    done = client.submit("the quick brown fox", PARAMS, model="tiny")
+    client.cancel("cancelled-early")  # ends with an error event ("cancelled")
+    refused = client.submit("the quick brown fox", PARAMS, model="tiny", job_id="cancelled-early")
+    expired(server, done.id)
+    expired(server, refused.id)
+    conn = server.client()
+    assert conn.ttl(KEYS.idem(done.id)) > 23 * 3600  # the mark kept the key's own TTL
+    for job in (done, refused):
+        with pytest.raises(ResultExpired) as err:
+            job.result(timeout=20)
+        assert (err.value.job_id, err.value.code) == (job.id, "result_expired")
+        assert "reply stream has expired" in err.value.message
+        with pytest.raises(ResultExpired):
+            list(job.stream(timeout=20))
+        with pytest.raises(ResultExpired):
+            client.job(job.id, model="tiny").result(timeout=20)  # a handle made elsewhere
+    fresh = client.submit("jumps over", PARAMS, model="tiny")
+    got = client.results([done, fresh, refused], timeout=20, return_exceptions=True)
+    assert [type(r).__name__ for r in got] == ["ResultExpired", "dict", "ResultExpired"]
+    assert got[1]["outputs"][0]["finish_reason"] == "length"
+    with pytest.raises(ResultExpired):
+        client.results([done], timeout=20)
+
+    async def read_async() -> None:
+        async with AsyncClient(server.url) as aclient:
+            await aclient.job(done.id, model="tiny").result(timeout=20)
+
+    with pytest.raises(ResultExpired):
+        asyncio.run(read_async())
+
+
+def test_a_job_that_has_not_run_is_still_waited_for(server: RedisServer,
+                                                    worker: WorkerProcess) -> None:
+    client = Client(server.url)
+    queued = client.submit("nobody serves this", PARAMS, model="unserved")
+    with pytest.raises(TimeoutError):
+        queued.result(timeout=2.5)
+    with pytest.raises(TimeoutError):
+        client.results([queued], timeout=2.5)
+    assert server.client().get(KEYS.idem(queued.id)) == b"1"
