@@ -139,7 +139,7 @@ class Gateway:
 
     def reader(self, job_id: str, after: str | None = None) -> JobReader:
         return JobReader(self.redis.blocking_conn, self.keys.reply(job_id), job_id, after,
-                         self.cfg.timeout_s + 30)
+                         self.cfg.timeout_s + 30, self.keys.idem(job_id))
 
     # ------------------------------------------------------------------ answers
 

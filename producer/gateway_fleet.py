@@ -39,6 +39,7 @@ from producer.protocol import (
     encode_job_entry,
 )
 from producer.replies import ReplyDeduper
+from producer.results import ENDED_MARK
 
 # A job's error code -> (HTTP status, OpenAI error type).
 _ERROR_STATUS: dict[str, tuple[int, str]] = {
@@ -179,9 +180,10 @@ class JobReader:
     so the caller can bring its own per-stream state up to where the client is."""
 
     def __init__(self, conn: aioredis.Redis, reply_key: str, job_id: str, after: str | None,
-                 timeout_s: float) -> None:
+                 timeout_s: float, idem_key: str | None = None) -> None:
         self.conn = conn
         self.reply_key = reply_key
+        self.idem_key = idem_key  # its ended mark tells an expired result from a queued job
         self.job_id = job_id
         self.after = _entry_key(after) if after else None
         self.timeout_s = timeout_s
@@ -217,10 +219,27 @@ class JobReader:
                         self.replayed += out
                     if dedupe.finished:
                         return
+            if not resp and last == "0-0" and await self._expired():
+                raise GatewayError(410, f"job {self.job_id} ended, but its reply stream has "
+                                   "expired (the workers' --result-ttl); submit it under a new "
+                                   "id to run it again", code="result_expired")
             if time.monotonic() >= end:
                 raise GatewayError(504, f"job {self.job_id} did not finish within "
                                    f"{self.timeout_s:.0f} s", type_="timeout",
                                    code="deadline_exceeded")
+
+    async def _expired(self) -> bool:
+        """producer.results.reply_expired, on this connection."""
+        if self.idem_key is None:
+            return False
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.get(self.idem_key)
+        pipe.exists(self.reply_key)
+        try:
+            mark, exists = await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError, ResponseError):
+            return False
+        return bool(mark == ENDED_MARK and not exists)
 
     async def result(self) -> dict[str, Any]:
         """The done event; an error event raises its GatewayError."""

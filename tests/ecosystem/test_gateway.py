@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from producer.protocol import Keys
 from tests.ecosystem.gateway_harness import MODEL_DIR, REPO, GatewayProcess, gateway_fleet
 from tests.fleet.harness import (
     RedisServer,
@@ -385,3 +386,22 @@ def test_text_no_tokens_event_carried_is_sent_with_the_finish(chat: bool) -> Non
              for c in chunks]
     assert texts == ["ab", "c", "de", ""]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+
+
+def test_a_request_again_after_its_result_expired_gets_410(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
+    """The same Genq-Job-Id after the job's reply stream expired: the job does not run again
+    (the id is taken) and its result is gone, so the answer says so at once."""
+    server, gateway = fleet
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    headers = {"Genq-Job-Id": "expired-1"}
+    first = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert first.status_code == 200
+    conn = server.client()
+    assert conn.get(Keys().idem("expired-1")) == b"ended"  # the finish script's mark
+    conn.delete(Keys().reply("expired-1"))  # what its TTL would do
+    again = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert again.status_code == 410
+    error = again.json()["error"]
+    assert error["code"] == "result_expired"
+    assert error["message"].startswith("job expired-1 ended, but its reply stream has expired")

@@ -53,7 +53,7 @@ ACL_RULES: dict[str, tuple[str, ...]] = {
     "genq-gateway": (
         "resetkeys", "%R~genq:reply:*", "%W~genq:cancel:*", "%R~genq:worker:*", "resetchannels",
         "&genq:cancel", "-@all", "+xread", "+set", "+publish", "+script|load",
-        "+script|exists", "+scan", "+mget", _SUBMIT, RESULTS_SELECTOR,
+        "+script|exists", "+scan", "+mget", _SUBMIT, RESULTS_SELECTOR, ENDED_SELECTOR,
         "(%R~genq:jobs:* +xinfo|groups +xlen)"),
 }
 
