@@ -10,7 +10,8 @@ Keys (prefix configurable, default "genq"):
     <p>:reply:<id>      reply stream of one job; field e = one event
     <p>:cancel:<id>     cancel flag (with TTL) + a publish of <id> on <p>:cancel
     <p>:worker:<name>   heartbeat of one worker (value: msgpack map, short TTL)
-    <p>:idem:<id>       idempotency key set by submit (a job id runs once)
+    <p>:idem:<id>       idempotency key set by submit (a job id runs once): "1", then "ended"
+                        from the job's terminal event on (its TTL kept; producer.results)
 
 Job entry field `a` (optional) is the number of attempts that ran before this entry was (re-)added,
 so attempt numbers keep increasing when a draining worker hands a job back.

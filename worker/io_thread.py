@@ -93,6 +93,7 @@ class Writer(threading.Thread):
         self._queue: queue.Queue[Batch | None] = queue.Queue()
         self._ttl_set_at: dict[str, float] = {}  # reply key -> when this writer last set its TTL
         self.error: BaseException | None = None
+        self.mark_ended = True  # idem keys' ended marks (FINISH_LUA); off if the ACL refuses
 
     def submit(self, batch: Batch) -> None:
         if batch:
@@ -169,6 +170,16 @@ class Writer(threading.Thread):
                 self._fence_seen = ""  # Redis may have restarted: check ownership again
                 log.warning("redis write failed (%s); retrying in %.2f s", exc, backoff)
             except redis.ResponseError as exc:  # e.g. NOGROUP after Redis lost its data
+                if isinstance(exc, redis.exceptions.NoPermissionError) and self.mark_ended \
+                        and batch.finishes:
+                    # A worker user whose ACL predates the ended marks (no ~genq:idem:*):
+                    # finish without them from now on (rerunning the batch is safe: fenced).
+                    self.mark_ended = False
+                    log.warning("this worker's Redis user may not use genq:idem:* keys (%s): "
+                                "jobs finish without the mark that lets clients tell an expired "
+                                "result from a queued job; add ~genq:idem:* to its ACL (README)",
+                                exc)
+                    continue
                 log.error("redis refused a write (%s); dropping it", exc)
                 for fin in batch.finishes:
                     if fin.reply_key is not None:
@@ -243,9 +254,9 @@ class Writer(threading.Thread):
         for lo in range(0, len(batch.finishes), step):
             fins = batch.finishes[lo:lo + step]
             self.scripts.queue(pipe, self.scripts.finish,
-                               finish_keys(fins, self.jobs_key, self.dead_key),
+                               finish_keys(fins, self.jobs_key, self.dead_key, self.mark_ended),
                                finish_args(fins, self.group, self.me, self.reply_ttl,
-                                           self.dead_ttl))
+                                           self.dead_ttl, self.mark_ended))
         results = pipe.execute()
         for key in refreshed:  # only now: a retried write must set them again
             ttl_at[key] = now
@@ -304,18 +315,19 @@ class Writer(threading.Thread):
                 ids[oldest[0]] -= 1
 
 
-def finish_keys(finishes: list[FinishWrite], jobs_key: str, dead_key: str) -> list[str]:
-    """KEYS of one FINISH_LUA call for `finishes`."""
+def finish_keys(finishes: list[FinishWrite], jobs_key: str, dead_key: str,
+                mark_ended: bool = True) -> list[str]:
+    """KEYS of one FINISH_LUA call for `finishes` (without `mark_ended`, no idem keys)."""
     return [jobs_key, dead_key, *(fin.reply_key or jobs_key for fin in finishes),
-            *(fin.idem_key or jobs_key for fin in finishes)]
+            *((fin.idem_key if mark_ended else None) or jobs_key for fin in finishes)]
 
 
 def finish_args(finishes: list[FinishWrite], group: str, me: str, reply_ttl: int,
-                dead_ttl: int) -> list[Any]:
+                dead_ttl: int, mark_ended: bool = True) -> list[Any]:
     """ARGV of one FINISH_LUA call (worker/scripts.py) for `finishes`. The index is packed with
     msgpack's str type for bytes too: Redis's cmsgpack reads it as Lua strings."""
     index = [[fin.entry_id, fin.deliveries, len(fin.event or b""), fin.dead_fields,
-              fin.readd_fields, fin.idem_key is not None] for fin in finishes]
+              fin.readd_fields, mark_ended and fin.idem_key is not None] for fin in finishes]
     blob = b"".join(fin.event or b"" for fin in finishes)
     return [group, me, reply_ttl, dead_ttl, msgpack.packb(index, use_bin_type=False), blob]
 

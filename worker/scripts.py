@@ -91,8 +91,9 @@ return {fence, lost}
 #       blob = the terminal events concatenated (length 0: no event).
 # A job's terminal event also marks its idempotency key (if it is still there: SET XX KEEPTTL)
 # 'ended': a client that finds no reply stream and that mark knows the result expired instead
-# of waiting for a job that will never write again (producer/client.py ResultExpired). pcall: a
-# worker user whose ACL predates the mark (no %W~genq:idem:*) still finishes its jobs.
+# of waiting for a job that will never write again (producer/client.py ResultExpired). (A worker
+# user whose ACL predates the mark, without ~genq:idem:*, is refused the call: the writer then
+# finishes without idem keys.)
 # Each entry's owner is checked on its own (XPENDING of that one id: a few finishes among many
 # held entries cost a few lookups, not a walk over all of them); no fence counter shortcut here.
 # Returns per finish 1 when written, 0 when the entry is no longer this worker's.
@@ -116,7 +117,7 @@ for i = 1, m do
     if n > 0 then
       redis.call('XADD', KEYS[2 + i], '*', 'e', event)
       redis.call('EXPIRE', KEYS[2 + i], ttl)
-      if f[6] then redis.pcall('SET', KEYS[2 + m + i], 'ended', 'XX', 'KEEPTTL') end
+      if f[6] then redis.call('SET', KEYS[2 + m + i], 'ended', 'XX', 'KEEPTTL') end
     end
     if #f[4] > 0 then
       redis.call('XADD', KEYS[2], '*', unpack(f[4]))

@@ -27,7 +27,7 @@ from tests.fleet.harness import (
     wait_heartbeats,
 )
 from tests.security.conftest import Oracle
-from tests.security.secure_redis import ADMIN_PASSWORD, SecureRedis, acl_line
+from tests.security.secure_redis import ACL_RULES, ADMIN_PASSWORD, SecureRedis, acl_line
 
 KEYS = Keys()
 JOBS_KEY = KEYS.jobs("tiny")
@@ -209,6 +209,29 @@ def test_without_the_right_password_nothing_runs(server: SecureRedis) -> None:
         with pytest.raises(redis.AuthenticationError) as err:
             conn.get("otherkey")
         assert str(err.value) == message
+
+
+def test_a_worker_whose_acl_predates_the_ended_marks_still_finishes_its_jobs(
+        server: SecureRedis, tiny_llama: Path, oracle: Oracle, tmp_path: Path) -> None:
+    """A worker user without ~genq:idem:* (the ACL line of an earlier release): its first finish
+    is refused, the writer finishes without the marks from then on, and nothing is lost."""
+    legacy = [rule for rule in ACL_RULES["genq-worker"] if rule != "~genq:idem:*"]
+    assert len(legacy) == len(ACL_RULES["genq-worker"]) - 1
+    server.client().execute_command("ACL", "SETUSER", "genq-worker-legacy", "on",
+                                    ">legacy-secret", *legacy)
+    factory = WorkerFactory(tmp_path)
+    proc = factory.start(server.url_for("genq-worker-legacy", "legacy-secret"), tiny_llama,
+                         "old", served_name="legacy")
+    try:
+        wait_heartbeats(server, [proc], timeout=180)  # type: ignore[arg-type]
+        prompts = ["the quick brown fox", "jumps over"]
+        with Client(server.url_for("genq-producer")) as client:
+            jobs = [client.submit(p, GREEDY, model="legacy") for p in prompts]
+            assert [outputs(job.result(timeout=60)) for job in jobs] == oracle(prompts, GREEDY)
+        assert [server.client().get(KEYS.idem(job.id)) for job in jobs] == [b"1", b"1"]
+        assert "may not use genq:idem:* keys" in proc.output()
+    finally:
+        factory.stop_all()
 
 
 def test_a_worker_stops_cleanly_under_its_user(server: SecureRedis,
