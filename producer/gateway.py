@@ -203,6 +203,12 @@ class Gateway:
             try:
                 pending = [first] if first is not None else []
                 async for entry_id, event in chain(pending, events):
+                    void = shaper.restart_error(event)
+                    if void is not None:  # the job runs on; only this stream ends
+                        finished = True
+                        await events.aclose()
+                        yield f"data: {json.dumps(void)}\n\n"
+                        return
                     for data in shaper.sse_payloads(event):
                         yield f"id: {entry_id}\ndata: {json.dumps(data)}\n\n"
                     finished = event["type"] in ("done", "error")

@@ -64,6 +64,18 @@ class Choices:
         return oa.chunk(self.response_id, self.req.model, self.created, index, text, reason,
                         self.chat, first, logprobs)
 
+    def restart_error(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        """A `restart` (a replay after a failover that diverged from what was streamed) once
+        text went out: OpenAI's stream has no way to take text back, so the stream ends with
+        this error object; before any text, the restart changes nothing."""
+        if event["type"] != "restart" or not self.started:
+            return None
+        return oa.GatewayError(
+            502, "the job was run again after a worker failed and produced other tokens than "
+            "those already streamed: the streamed text is void; the request's full result is "
+            "the new run's (the same request with stream=false returns it)", type_="server_error",
+            code="stream_restarted").body()
+
     def sse_payloads(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         """The SSE data objects one genq event becomes (restart and started become none)."""
         kind = event["type"]

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from producer.protocol import Keys
+from producer.protocol import Keys, encode_event, tokens_event
 from tests.ecosystem.gateway_harness import MODEL_DIR, REPO, GatewayProcess, gateway_fleet
 from tests.fleet.harness import (
     RedisServer,
@@ -405,3 +405,32 @@ def test_a_request_again_after_its_result_expired_gets_410(
     error = again.json()["error"]
     assert error["code"] == "result_expired"
     assert error["message"].startswith("job expired-1 ended, but its reply stream has expired")
+
+
+def test_a_replay_that_diverges_after_text_was_streamed_ends_the_stream_with_an_error(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
+    """Attempt 2 of the job (written here as a reclaiming worker would) starts with another
+    token than attempt 1 streamed: the stream ends with stream_restarted, and the job is not
+    cancelled (its result stays the new run's)."""
+    server, gateway = fleet
+    conn = server.client()
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body,
+                      headers={"Genq-Job-Id": "diverged-1"}, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            lines.append(line)
+            if len(lines) == 1:  # text is out: now a replay that disagrees with it
+                first = next(e for e in reply_events(server, "diverged-1")
+                             if e["type"] == "tokens")
+                other = (first["token_ids"][0] + 1) % 100
+                conn.xadd(Keys().reply("diverged-1"), {"e": encode_event(tokens_event(
+                    first["attempt"] + 1, 0, 0, [other], "zz"))})
+    data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert "choices" in data[0]
+    assert data[-1]["error"]["code"] == "stream_restarted"
+    assert data[-1]["error"]["message"].startswith("the job was run again after a worker failed")
+    assert "data: [DONE]" not in lines
+    assert not conn.exists(Keys().cancel("diverged-1"))
