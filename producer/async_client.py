@@ -9,7 +9,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis import ConnectionError as RedisConnectionError
-from redis import ResponseError as RedisResponseError
 from redis import TimeoutError as RedisTimeoutError
 
 from producer.client import (
@@ -28,7 +27,7 @@ from producer.protocol import (
     decode_event,
 )
 from producer.replies import ReplyDeduper
-from producer.results import ENDED_MARK
+from producer.results import reply_expired_async
 
 
 def connect_async(url: str, *, blocking: bool = False) -> aioredis.Redis:
@@ -110,15 +109,8 @@ class AsyncJob:
                 raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")
 
     async def _expired(self) -> bool:
-        """Job._expired's mirror (producer.results.reply_expired)."""
-        pipe = self.client.redis.pipeline(transaction=False)
-        pipe.get(self.client.keys.idem(self.id))
-        pipe.exists(self.reply_key)
-        try:
-            mark, exists = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, RedisResponseError):
-            return False
-        return mark == ENDED_MARK and not exists
+        return await reply_expired_async(self.client.redis, self.client.keys.idem(self.id),
+                                         self.reply_key)
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
         dedupe = ReplyDeduper()

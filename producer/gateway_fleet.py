@@ -39,7 +39,7 @@ from producer.protocol import (
     encode_job_entry,
 )
 from producer.replies import ReplyDeduper
-from producer.results import ENDED_MARK
+from producer.results import reply_expired_async
 
 # A job's error code -> (HTTP status, OpenAI error type).
 _ERROR_STATUS: dict[str, tuple[int, str]] = {
@@ -229,17 +229,8 @@ class JobReader:
                                    code="deadline_exceeded")
 
     async def _expired(self) -> bool:
-        """producer.results.reply_expired, on this connection."""
-        if self.idem_key is None:
-            return False
-        pipe = self.conn.pipeline(transaction=False)
-        pipe.get(self.idem_key)
-        pipe.exists(self.reply_key)
-        try:
-            mark, exists = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, ResponseError):
-            return False
-        return bool(mark == ENDED_MARK and not exists)
+        return self.idem_key is not None and await reply_expired_async(
+            self.conn, self.idem_key, self.reply_key)
 
     async def result(self) -> dict[str, Any]:
         """The done event; an error event raises its GatewayError."""

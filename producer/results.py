@@ -115,6 +115,19 @@ def reply_expired(conn: redis.Redis, idem_key: str, reply_key: str) -> bool:
     return mark == ENDED_MARK and not exists
 
 
+async def reply_expired_async(conn: Any, idem_key: str, reply_key: str) -> bool:
+    """reply_expired on a redis.asyncio connection (AsyncJob, the gateway); False also when
+    Redis cannot be reached (the caller's next read says so)."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.get(idem_key)
+    pipe.exists(reply_key)
+    try:
+        mark, exists = await pipe.execute()
+    except (redis.ResponseError, *_RETRYABLE):
+        return False
+    return bool(mark == ENDED_MARK and not exists)
+
+
 def pass_interval(unfinished: int) -> float:
     """The least time in seconds between the starts of two passes over `unfinished` streams."""
     return min(_PACE_MAX_S, max(_PACE_MIN_S, unfinished * _PACE_PER_STREAM_S))
