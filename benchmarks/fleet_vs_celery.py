@@ -10,7 +10,8 @@
     sequence's tokens of several steps in one entry); the writer thread alone with 256 owned
     entries (the Redis-side ceiling of the fenced writes); the same 256 requests on the engine
     alone in this process, with no Redis (the model's own ceiling on this machine); and the 256
-    requests again through a worker run with --stream-interval 4 (4 tokens per event).
+    requests again through a worker run with --stream-interval 4 (4 tokens per event) and one
+    with --writer thread (the writer in the worker's process), rounds alternating.
 
     python -m benchmarks.fleet_vs_celery [--jobs 2000] [--rounds 3] [--model DIR | --minimal-model]
                                          [--json out.json]
@@ -273,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         url = start_redis(tmp, procs)
         model = Path(args.model) if args.model else tiny_model(tmp, args.minimal_model)
         client = start_genq(url, model, procs, tmp)
-        # The same worker with --stream-interval 4 (idle until its streaming rounds).
+        # The same worker with --stream-interval 4, and with --writer thread (each idle until
+        # its streaming rounds, which alternate with the default worker's).
         start_genq(url, model, procs, tmp, "tiny-si4", "--stream-interval", "4")
+        start_genq(url, model, procs, tmp, "tiny-thread", "--writer", "thread")
         has_celery = start_celery(url, procs, tmp)
         rounds: list[dict[str, Any]] = []
         for _ in range(args.rounds):  # alternating, so both see the same machine
@@ -283,12 +286,14 @@ def main(argv: list[str] | None = None) -> int:
                 row["celery"] = celery_round_trips(args.jobs)
             rounds.append(row)
         figures: dict[str, Any] = {"rounds": rounds,
-                                   "running_256": [genq_running_256(client)
-                                                   for _ in range(args.rounds)],
-                                   "running_256_si4": [genq_running_256(client, "tiny-si4")
-                                                       for _ in range(args.rounds)],
+                                   "running_256": [], "running_256_si4": [],
+                                   "running_256_thread": [],
                                    "writer": bench_writer(url),
                                    "engine_alone_256": engine_alone(model)}
+        for _ in range(args.rounds):  # alternating, as the round trips
+            for key, name in (("running_256", "tiny"), ("running_256_si4", "tiny-si4"),
+                              ("running_256_thread", "tiny-thread")):
+                figures[key].append(genq_running_256(client, name))
         report(figures)
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
@@ -351,10 +356,12 @@ def report(f: dict[str, Any]) -> None:
         print(f"256 running requests on one CPU worker: {many['tokens_per_s']:.0f} tokens/s "
               f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
               f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
-    for many in f["running_256_si4"]:
-        print(f"the same with --stream-interval 4: {many['tokens_per_s']:.0f} tokens/s "
-              f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
-              f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
+    for key, label in (("running_256_si4", "--stream-interval 4"),
+                       ("running_256_thread", "--writer thread")):
+        for many in f[key]:
+            print(f"the same with {label}: {many['tokens_per_s']:.0f} tokens/s "
+                  f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
+                  f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
     for alone in f["engine_alone_256"]:
         print(f"the same 256 requests on the engine alone (no Redis, one thread): "
               f"{alone['tokens_per_s']:.0f} tokens/s")

@@ -27,6 +27,7 @@ class WorkerConfig:
     metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off
     metrics_host: str = "0.0.0.0"
     stream_interval: int = 1  # tokens per sequence per tokens event (the first goes at once)
+    writer: str = "process"  # token writes from a child process (its own GIL), or a thread
 
     def __post_init__(self) -> None:
         validate_name(self.served_model_name, "served model name")
@@ -49,6 +50,8 @@ class WorkerConfig:
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1 token, got "
                              f"{self.stream_interval}")
+        if self.writer not in ("thread", "process"):
+            raise ValueError(f"--writer must be 'thread' or 'process', got {self.writer!r}")
         if self.block_ms < 1:
             raise ValueError(f"block_ms must be at least 1, got {self.block_ms}")
 

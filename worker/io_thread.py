@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import redis
@@ -28,9 +28,9 @@ _FENCE_RECHECK_S = 1.0  # the longest token writes go on without a full ownershi
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
 
 
-@dataclass(slots=True)
-class EventWrite:
-    """Events of one attempt (unencoded), written only while this worker still owns the entry."""
+class EventWrite(NamedTuple):
+    """Events of one attempt (unencoded), written only while this worker still owns the entry.
+    (Tuples: a step's batch goes to a writer process in one msgpack call.)"""
 
     entry_id: str
     deliveries: int
@@ -38,16 +38,15 @@ class EventWrite:
     events: list[dict[str, Any]]
 
 
-@dataclass(slots=True)
-class FinishWrite:
+class FinishWrite(NamedTuple):
     """The end of one attempt: terminal event / dead letter / hand-back, then XACK + XDEL."""
 
     entry_id: str
     deliveries: int
     reply_key: str | None
     event: bytes | None
-    dead_fields: list[object] = field(default_factory=list)
-    readd_fields: list[object] = field(default_factory=list)
+    dead_fields: list[object] = []  # (never mutated: shared defaults are safe)
+    readd_fields: list[object] = []
     idem_key: str | None = None  # marked 'ended' with the terminal event (FINISH_LUA)
 
 
@@ -94,6 +93,7 @@ class Writer(threading.Thread):
         self._ttl_set_at: dict[str, float] = {}  # reply key -> when this writer last set its TTL
         self.error: BaseException | None = None
         self.mark_ended = True  # idem keys' ended marks (FINISH_LUA); off if the ACL refuses
+        self._abandoned = False
 
     def submit(self, batch: Batch) -> None:
         if batch:
@@ -123,6 +123,11 @@ class Writer(threading.Thread):
         self._queue.put(None)
         self.join(timeout=timeout)
 
+    def abandon(self) -> None:
+        """Give up what is held (Redis would not take it): the retries stop."""
+        self._abandoned = True
+        self._queue.put(None)
+
     def run(self) -> None:
         try:
             self._run()
@@ -140,25 +145,17 @@ class Writer(threading.Thread):
                     batches.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            real = [b for b in batches if b is not None]
-            if len(real) == 1:  # one step's worth: one write per attempt already
-                merged = real[0]
-            else:
-                merged = Batch()
-                ended: set[tuple[str, int]] = set()  # attempts a batch merged so far finishes
-                for batch in real:
-                    merged.events += [w for w in batch.events
-                                      if (w.entry_id, w.deliveries) not in ended] \
-                        if ended else batch.events
-                    merged.finishes += batch.finishes
-                    ended.update((f.entry_id, f.deliveries) for f in batch.finishes)
-                merged.events = coalesce(merged.events)
-            if merged:
-                self._write_until_done(merged)
+            self.write_batches([b for b in batches if b is not None])
             for _ in batches:
                 self._queue.task_done()
             if any(b is None for b in batches):
                 return
+
+    def write_batches(self, batches: list[Batch]) -> None:
+        """Write `batches` (queued in this order) as one, retrying until Redis takes them."""
+        merged = merge(batches)
+        if merged:
+            self._write_until_done(merged)
 
     def _write_until_done(self, batch: Batch) -> None:
         backoff = 0.05
@@ -185,6 +182,8 @@ class Writer(threading.Thread):
                     if fin.reply_key is not None:
                         self._ttl_set_at.pop(fin.reply_key, None)
                     self.finished.put(fin.entry_id)
+                return
+            if self._abandoned:
                 return
             time.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
@@ -313,6 +312,22 @@ class Writer(threading.Thread):
                 del ids[oldest[0]]
             else:
                 ids[oldest[0]] -= 1
+
+
+def merge(batches: list[Batch]) -> Batch:
+    """Batches queued behind a round trip, as one: an attempt's events after its finish (in an
+    earlier batch) are dropped, and the events coalesced to one write per attempt."""
+    if len(batches) == 1:  # one step's worth: one write per attempt already
+        return batches[0]
+    merged = Batch()
+    ended: set[tuple[str, int]] = set()  # attempts a batch merged so far finishes
+    for batch in batches:
+        merged.events += [w for w in batch.events if (w.entry_id, w.deliveries) not in ended] \
+            if ended else batch.events
+        merged.finishes += batch.finishes
+        ended.update((f.entry_id, f.deliveries) for f in batch.finishes)
+    merged.events = coalesce(merged.events)
+    return merged
 
 
 def finish_keys(finishes: list[FinishWrite], jobs_key: str, dead_key: str,

@@ -33,6 +33,7 @@ from worker.metrics import MetricsServer, WorkerMetrics
 from worker.quarantine import EXIT_ENGINE_BROKEN, EngineBroken, Quarantine
 from worker.reader import RETRYABLE, Entry, JobReader
 from worker.scripts import flatten_fields
+from worker.writer_process import WriterProcess
 
 log = logging.getLogger("genq.worker")
 _FINAL_FLUSH_S = 15.0
@@ -56,9 +57,12 @@ class Worker:
         self.reader = JobReader(cfg, self.keys, self.conn)
         self.admission = Admission(cfg, self.keys, engine.tokenizer, engine.max_model_len)
         self.max_num_seqs = int(engine.config.max_num_seqs)
-        self.writer = Writer(self.conn, self.jobs_key, self.keys.dead(cfg.served_model_name),
-                             self.keys.group, self.me, cfg.result_ttl, cfg.dead_ttl,
-                             fence_key=self.keys.fence(cfg.served_model_name, self.me))
+        writer_args = (self.jobs_key, self.keys.dead(cfg.served_model_name), self.keys.group,
+                       self.me, cfg.result_ttl, cfg.dead_ttl)
+        fence = self.keys.fence(cfg.served_model_name, self.me)
+        self.writer: Writer | WriterProcess = \
+            WriterProcess(cfg.redis_url, *writer_args, fence_key=fence) \
+            if cfg.writer == "process" else Writer(self.conn, *writer_args, fence_key=fence)
         self.metrics = WorkerMetrics(cfg.served_model_name, self.me, self.jobs_key,
                                      self.keys.group)
         self.metrics.read_stats_from(lambda: (self._stats, len(self.jobs) + len(self.finishing)))
@@ -147,6 +151,7 @@ class Worker:
         if not self.writer.flush(timeout=_FINAL_FLUSH_S):
             log.warning("Redis did not take the last writes within %.0f s; the unacked jobs "
                         "will be reclaimed once this worker's heartbeat expires", _FINAL_FLUSH_S)
+            self.writer.abandon()
         else:
             self.writer.stop()
         self.cancels.stop()

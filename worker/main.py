@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sent at once, then every N tokens and the rest when it ends (fewer, "
                         "larger events: less worker and Redis CPU per token; default 1: every "
                         "token as it comes)")
+    s.add_argument("--writer", default="process", choices=["process", "thread"],
+                   help="write token events from a child process with a GIL of its own "
+                        "(default: the engine's thread never waits for the writer's Python) or "
+                        "from a thread of the worker")
     m = p.add_argument_group("metrics")
     m.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                            result_ttl=args.result_ttl, drain_timeout=args.drain_timeout,
                            limits=limits, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host,
-                           stream_interval=args.stream_interval)
+                           stream_interval=args.stream_interval, writer=args.writer)
     except ValueError as exc:
         print(f"genq worker: {exc}", file=sys.stderr)
         return 2

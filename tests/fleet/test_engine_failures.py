@@ -329,7 +329,9 @@ def test_a_job_whose_events_cannot_be_built_ends_with_engine_error_and_the_other
     assert error.message == ("the worker failed on this job's output: ZeroDivisionError: no "
                              "events for this one")
     raw = reply_events(redis_server, jobs[1].id)
-    assert [e["type"] for e in raw] == ["started", "tokens", "tokens", "tokens", "error"]
+    kinds = [e["type"] for e in raw]  # (the writer may merge steps' tokens into one event)
+    assert kinds[0] == "started" and kinds[-1] == "error" and set(kinds[1:-1]) == {"tokens"}
+    assert sum(len(e["token_ids"]) for e in raw if e["type"] == "tokens") == 3
     for job, want in zip([jobs[0], jobs[2], jobs[3]], expected, strict=True):
         result = job.result(timeout=60)
         assert as_expected(result) == want

@@ -129,12 +129,16 @@ def test_kill_9_mid_generation_every_job_completes_once_on_the_survivor(
     client = Client(redis_server.url)
     jobs = [client.submit(p, q, model="tiny") for p, q in zip(prompts, params, strict=True)]
     seen, threads = stream_all(jobs, timeout=300)
-    wait_for(lambda: pending_of(redis_server, "w1") >= 20
-             and any(e["type"] == "tokens" for evs in seen.values() for e in evs),
+
+    def started_on_w1() -> set[str]:
+        return {job.id for job in jobs
+                if any(e["type"] == "started" and e["worker"] == "w1"
+                       for e in reply_events(redis_server, job.id))}
+
+    wait_for(lambda: pending_of(redis_server, "w1") >= 20 and len(started_on_w1()) >= 20
+             and any(e["type"] == "tokens" for jid in started_on_w1() for e in seen[jid]),
              timeout=60, interval=0.01, what="w1 holding 20+ jobs mid-generation")
-    held = {job.id for job in jobs
-            if any(e["type"] == "started" and e["worker"] == "w1"
-                   for e in reply_events(redis_server, job.id))}
+    held = started_on_w1()
     victim.kill9()
     for t in threads:
         t.join(300)

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from engine.outputs import CompletionOutput, RequestOutput
 from producer import Client
+from producer.protocol import JobSpec
 from tests.fleet.harness import (
     RedisServer,
     WorkerFactory,
@@ -20,6 +22,7 @@ from tests.fleet.harness import (
     wait_heartbeats,
 )
 from worker.config import WorkerConfig
+from worker.jobs import ActiveJob, token_events
 from worker.main import main as worker_main
 
 INTERVAL = 4
@@ -76,7 +79,24 @@ def test_tokens_go_out_every_interval_and_add_up_to_the_offline_output(
     assert (streamed, text, events[-1]["outputs"][0]["finish_reason"]) == expected[0]
     pieces = chunks(server, job.id)[0]
     assert on_boundaries(pieces, 10), pieces
-    assert pieces[0] == (0, expected[0][0][:1])  # the first token did not wait for the rest
+
+
+def test_the_worker_sends_the_first_token_at_once_then_every_interval() -> None:
+    """What the worker hands its writer per step (the writer may merge steps that queue up
+    behind a round trip, so the raw stream alone cannot show this)."""
+    job = ActiveJob(entry_id="1-0", deliveries=1, attempt=1, spec=JobSpec(id="j", model="m"),
+                    fields={}, reply_key="r", stream_tokens=True, stream_interval=INTERVAL)
+    sent = []
+    for step in range(10):
+        done = step == 9
+        out = RequestOutput("1-0", [1, 2], [CompletionOutput(
+            0, [100 + step], f"t{step}", "length" if done else None)], finished=done)
+        events, new = token_events(job, out)
+        assert new == 1
+        sent.append([(e["pos"], e["token_ids"], e["text"]) for e in events])
+    assert sent == [[(0, [100], "t0")], [], [], [],
+                    [(1, [101, 102, 103, 104], "t1t2t3t4")], [], [], [],
+                    [(5, [105, 106, 107, 108], "t5t6t7t8")], [(9, [109], "t9")]]
 
 
 def test_a_sequence_that_ends_early_sends_its_rest_when_it_ends(

@@ -1,0 +1,275 @@
+"""The writer process: the writer (worker/io_thread.py) in a child process of its own, so its
+per-event Python work runs on another core instead of taking turns with the engine's thread for
+the GIL. It is the worker's default (--writer process); --writer thread keeps it in-process.
+Where the engine's own CPU per token is small (a GPU's, or a small model's) that is what bounds
+a worker's streaming: 256 running on the minimal CPU model, alternating rounds in one run,
+thread 38-64k tokens/s (median 50k), process 52-83k (median 65k); on the tests' tiny model,
+whose forward pass dominates, 28-51k either way.
+
+WriterProcess, on the worker's side, has the writer thread's interface (submit, backlog, flush,
+check, stop, the `lost` and `finished` queues); a thread of its own reads the child's feedback.
+The child is `python -m worker.writer_process`: it imports redis and msgpack, never torch, and
+dies with the worker (PR_SET_PDEATHSIG, and the end of its input).
+
+The pipe (no pickle): frames of a 4-byte little-endian length and a MessagePack body. Worker to
+writer: a config map, then one [events, finishes] per batch (EventWrite and FinishWrite are
+tuples: one msgpack call per step); an empty frame: write what came before it, then exit.
+Writer to worker, after each write: {"n": batches written, "w": events written in all,
+"l": entry ids lost, "f": entry ids whose finish landed}; {"error": text} before it exits on a bug.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import logging
+import os
+import queue
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from worker.io_thread import Batch, EventWrite, FinishWrite
+
+log = logging.getLogger("genq.worker")
+_HEADER = struct.Struct("<I")
+_PIPE_BYTES = 1 << 20  # ~80 steps of 256 jobs' events before a submit would block
+
+
+class WriterProcess:
+    def __init__(self, redis_url: str, jobs_key: str, dead_key: str, group: str, me: str,
+                 reply_ttl: int, dead_ttl: int, max_events_per_call: int = 1024,
+                 fence_key: str | None = None) -> None:
+        self.config = {"redis_url": redis_url, "jobs_key": jobs_key, "dead_key": dead_key,
+                       "group": group, "me": me, "reply_ttl": reply_ttl, "dead_ttl": dead_ttl,
+                       "max_events_per_call": max_events_per_call, "fence_key": fence_key,
+                       "log_level": logging.getLogger().getEffectiveLevel()}
+        self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries no longer ours
+        self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
+        self.num_events_written = 0  # after coalescing
+        self.error: BaseException | None = None
+        self._submitted = 0
+        self._written = 0
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._feedback: threading.Thread | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[1])  # the child imports this package
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.writer_process", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+        assert self._proc.stdin is not None
+        with contextlib.suppress(OSError):  # (a smaller pipe only blocks sooner)
+            fcntl.fcntl(self._proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        self._send(msgpack.packb(self.config))
+        self._feedback = threading.Thread(target=self._read_feedback, daemon=True,
+                                          name="genq-writer-feedback")
+        self._feedback.start()
+
+    def submit(self, batch: Batch) -> None:
+        if not batch:
+            return
+        with self._cond:
+            self._submitted += 1
+        try:
+            self._send(msgpack.packb([batch.events, batch.finishes]))
+        except OSError as exc:  # the child is gone; its exit is reported by the feedback
+            self._fail(RuntimeError(f"the writer process does not take writes: {exc}"))
+
+    def backlog(self) -> int:
+        return self._submitted - self._written
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far is written; False if `timeout` ran out."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._written < self._submitted and self.error is None:
+                left = 0.05 if end is None else end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        self.check()
+        return True
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("the writer process failed; stopping the worker") from self.error
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Write what was submitted (up to `timeout`), then end the child."""
+        proc = self._proc
+        if proc is None:
+            return
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._send(b"")
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the writer process did not stop within %.0f s; killing it", timeout)
+            self.abandon()
+        if self._feedback is not None:
+            self._feedback.join(timeout=5)
+
+    def abandon(self) -> None:
+        """End the child now, whatever it still holds (Redis would not take it)."""
+        self._stopping = True
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _send(self, payload: bytes) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        data = memoryview(_HEADER.pack(len(payload)) + payload)
+        fd = self._proc.stdin.fileno()
+        with self._send_lock:
+            while data:
+                data = data[os.write(fd, data):]
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error = exc
+            self._cond.notify_all()
+
+    def _read_feedback(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        frames = Frames(self._proc.stdout.fileno())
+        while batch := frames.take():
+            for frame in batch:
+                msg = msgpack.unpackb(frame)
+                if "error" in msg:
+                    self._fail(RuntimeError(f"the writer process failed: {msg['error']}"))
+                    continue
+                for entry_id in msg["l"]:
+                    self.lost.put(entry_id)
+                for entry_id in msg["f"]:
+                    self.finished.put(entry_id)
+                with self._cond:
+                    self._written += msg["n"]
+                    self.num_events_written = msg["w"]
+                    self._cond.notify_all()
+        code = self._proc.wait()
+        if not self._stopping:
+            self._fail(RuntimeError(f"the writer process exited with status {code}"))
+
+
+class Frames:
+    """Length-prefixed frames off a pipe."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = bytearray()
+
+    def take(self) -> list[bytes]:
+        """Wait for at least one whole frame, then return every whole frame read; [] at the
+        end of the input."""
+        while True:
+            frames = self._split()
+            if frames:
+                return frames
+            chunk = os.read(self.fd, _PIPE_BYTES)
+            if not chunk:
+                return []
+            self.buf += chunk
+
+    def _split(self) -> list[bytes]:
+        frames, offset, buf = [], 0, self.buf
+        while len(buf) - offset >= 4:
+            (size,) = _HEADER.unpack_from(buf, offset)
+            if len(buf) - offset - 4 < size:
+                break
+            frames.append(bytes(buf[offset + 4:offset + 4 + size]))
+            offset += 4 + size
+        if offset:
+            del buf[:offset]
+        return frames
+
+
+def _die_with_parent(parent: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # Linux: SIGKILL when the worker dies
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(0)
+
+
+def _decode(frame: bytes) -> Batch:
+    events, finishes = msgpack.unpackb(frame)
+    return Batch(events=[EventWrite(*e) for e in events],
+                 finishes=[FinishWrite(*f) for f in finishes])
+
+
+def main(argv: list[str]) -> int:
+    import redis
+
+    from worker.io_thread import Writer  # (the module is ours already; this names the class)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the worker decides when its writer stops
+        signal.signal(signum, signal.SIG_IGN)
+    _die_with_parent(int(argv[0]))
+    out = os.dup(1)  # the feedback pipe; stray prints go to stderr instead
+    os.dup2(2, 1)
+    frames = Frames(0)
+    first = frames.take()
+    if not first:
+        return 0
+    config: dict[str, Any] = msgpack.unpackb(first[0])
+    logging.basicConfig(level=config["log_level"], stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s(writer): %(message)s")
+    conn = redis.Redis.from_url(config["redis_url"], protocol=2, socket_timeout=10,
+                                socket_connect_timeout=5)
+    writer = Writer(conn, config["jobs_key"], config["dead_key"], config["group"], config["me"],
+                    config["reply_ttl"], config["dead_ttl"], config["max_events_per_call"],
+                    config["fence_key"])  # driven from here, not started as a thread
+
+    def send(msg: dict[str, Any]) -> None:
+        body = msgpack.packb(msg)
+        data = memoryview(_HEADER.pack(len(body)) + body)
+        while data:
+            data = data[os.write(out, data):]
+
+    pending = first[1:]
+    try:
+        while True:
+            raw = pending or frames.take()
+            pending = []
+            if not raw:
+                return 0  # the worker is gone without a word: nothing here is wanted
+            stop = b"" in raw
+            raw = raw[:raw.index(b"")] if stop else raw
+            writer.write_batches([_decode(f) for f in raw])
+            send({"n": len(raw), "w": writer.num_events_written,
+                  "l": _drain(writer.lost), "f": _drain(writer.finished)})
+            if stop:
+                return 0
+    except BaseException as exc:
+        log.exception("the writer process failed")
+        with contextlib.suppress(OSError):
+            send({"error": f"{type(exc).__name__}: {exc}"[:2000]})
+        return 1
+
+
+def _drain(q: queue.SimpleQueue[str]) -> list[str]:
+    out = []
+    while not q.empty():
+        out.append(q.get())
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
