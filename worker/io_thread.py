@@ -1,5 +1,6 @@
-"""The writer thread: each engine step's events go to Redis in ONE pipelined round trip while the
-loop runs the next step.
+"""The writer: each engine step's events go to Redis in ONE pipelined round trip while the loop
+runs the next step. It runs as a thread of the worker (--writer thread) or, driven through
+`write_batches`, in a child process of its own (worker/writer_process.py, the default).
 
 Batches queued while a round trip is in flight are merged into the next one. A write that fails
 on a lost connection is retried (backoff) until it succeeds, so nothing is lost: the fenced
