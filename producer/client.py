@@ -223,11 +223,7 @@ class Job:
                 raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")
 
     def _expired(self) -> bool:
-        try:
-            return reply_expired(self.client.redis, self.client.keys.idem(self.id),
-                                 self.reply_key)
-        except _RETRYABLE:
-            return False
+        return reply_expired(self.client.redis, self.client.keys.idem(self.id), self.reply_key)
 
     def stream(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """started / tokens / restart / done / error events; each (index, pos) once."""

@@ -104,15 +104,16 @@ def reply_expired(conn: redis.Redis, idem_key: str, reply_key: str) -> bool:
     """Whether a job's result expired unread: its idempotency key carries the worker's ended
     mark and its reply stream is gone. Read in that order: the mark is written with the terminal
     event, so a stream missing after the mark was seen has expired. False when this user may not
-    read the key (an ACL without the README's GET on idem keys): the caller waits as before."""
+    read the key (an ACL without the README's GET on idem keys) or Redis cannot be reached: the
+    caller waits as before."""
     pipe = conn.pipeline(transaction=False)
     pipe.get(idem_key)
     pipe.exists(reply_key)
     try:
         mark, exists = pipe.execute()
-    except redis.ResponseError:
+    except (redis.ResponseError, *_RETRYABLE):
         return False
-    return mark == ENDED_MARK and not exists
+    return bool(mark == ENDED_MARK and not exists)
 
 
 async def reply_expired_async(conn: Any, idem_key: str, reply_key: str) -> bool:

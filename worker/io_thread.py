@@ -48,7 +48,7 @@ class FinishWrite(NamedTuple):
     event: bytes | None
     dead_fields: list[object] = []  # (never mutated: shared defaults are safe)
     readd_fields: list[object] = []
-    idem_key: str | None = None  # marked 'ended' with the terminal event (FINISH_LUA)
+    idem_key: str | None = None  # marked 'ended' if this finish writes a terminal event
 
 
 @dataclass(slots=True)
@@ -256,7 +256,7 @@ class Writer(threading.Thread):
             self.scripts.queue(pipe, self.scripts.finish,
                                finish_keys(fins, self.jobs_key, self.dead_key, self.mark_ended),
                                finish_args(fins, self.group, self.me, self.reply_ttl,
-                                           self.dead_ttl, self.mark_ended))
+                                           self.dead_ttl))
         results = pipe.execute()
         for key in refreshed:  # only now: a retried write must set them again
             ttl_at[key] = now
@@ -339,11 +339,11 @@ def finish_keys(finishes: list[FinishWrite], jobs_key: str, dead_key: str,
 
 
 def finish_args(finishes: list[FinishWrite], group: str, me: str, reply_ttl: int,
-                dead_ttl: int, mark_ended: bool = True) -> list[Any]:
+                dead_ttl: int) -> list[Any]:
     """ARGV of one FINISH_LUA call (worker/scripts.py) for `finishes`. The index is packed with
     msgpack's str type for bytes too: Redis's cmsgpack reads it as Lua strings."""
     index = [[fin.entry_id, fin.deliveries, len(fin.event or b""), fin.dead_fields,
-              fin.readd_fields, mark_ended and fin.idem_key is not None] for fin in finishes]
+              fin.readd_fields] for fin in finishes]
     blob = b"".join(fin.event or b"" for fin in finishes)
     return [group, me, reply_ttl, dead_ttl, msgpack.packb(index, use_bin_type=False), blob]
 

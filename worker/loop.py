@@ -272,8 +272,7 @@ class Worker:
         event = encode_event(error_event(r.attempt, r.code, r.message)) if r.reply_key else None
         self.finishing.add(r.entry_id)
         batch.finishes.append(FinishWrite(r.entry_id, r.deliveries, r.reply_key, event,
-                                          dead_fields=dead,
-                                          idem_key=r.idem_key if event is not None else None))
+                                          dead_fields=dead, idem_key=r.idem_key))
 
     # ------------------------------------------------------------------ outputs and endings
 
@@ -338,8 +337,7 @@ class Worker:
         self.finishing.add(job.entry_id)
         batch.finishes.append(FinishWrite(job.entry_id, job.deliveries, job.reply_key, event,
                                           readd_fields=readd_fields or [],
-                                          idem_key=None if event is None
-                                          else self.keys.idem(job.job_id)))
+                                          idem_key=self.keys.idem(job.job_id)))
 
     def _end_early(self, job: ActiveJob, code: str, message: str) -> None:
         self.engine.abort(job.entry_id)

@@ -86,8 +86,8 @@ return {fence, lost}
 # KEYS: jobs stream, dead-letter stream, reply key of finish 1..k (the jobs stream when none),
 #       idem key of finish 1..k (the jobs stream when none).
 # ARGV: group, me, reply ttl, dead ttl,
-#       index = msgpack [[entry id, deliveries, event length, dead fields, re-add fields,
-#       mark ended], ...] (field lists flat: name, value, ...; one per finish, same order),
+#       index = msgpack [[entry id, deliveries, event length, dead fields, re-add fields], ...]
+#       (field lists flat: name, value, ...; one per finish, same order),
 #       blob = the terminal events concatenated (length 0: no event).
 # A job's terminal event also marks its idempotency key (if it is still there: SET XX KEEPTTL)
 # 'ended': a client that finds no reply stream and that mark knows the result expired instead
@@ -117,7 +117,9 @@ for i = 1, m do
     if n > 0 then
       redis.call('XADD', KEYS[2 + i], '*', 'e', event)
       redis.call('EXPIRE', KEYS[2 + i], ttl)
-      if f[6] then redis.call('SET', KEYS[2 + m + i], 'ended', 'XX', 'KEEPTTL') end
+      if KEYS[2 + m + i] ~= KEYS[1] then
+        redis.call('SET', KEYS[2 + m + i], 'ended', 'XX', 'KEEPTTL')
+      end
     end
     if #f[4] > 0 then
       redis.call('XADD', KEYS[2], '*', unpack(f[4]))

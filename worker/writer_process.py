@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import redis
 
-from worker.io_thread import Batch, EventWrite, FinishWrite
+from worker.io_thread import Batch, EventWrite, FinishWrite, Writer
 
 log = logging.getLogger("genq.worker")
 _HEADER = struct.Struct("<I")
@@ -215,10 +216,6 @@ def _decode(frame: bytes) -> Batch:
 
 
 def main(argv: list[str]) -> int:
-    import redis
-
-    from worker.io_thread import Writer  # (the module is ours already; this names the class)
-
     for signum in (signal.SIGINT, signal.SIGTERM):  # the worker decides when its writer stops
         signal.signal(signum, signal.SIG_IGN)
     _die_with_parent(int(argv[0]))

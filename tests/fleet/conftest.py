@@ -19,6 +19,15 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.kill()
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server shared by a module's tests (with its module-scoped worker fixture)."""
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    yield srv
+    srv.kill()
+
+
 @pytest.fixture
 def workers(tmp_path: Path) -> Iterator[WorkerFactory]:
     factory = WorkerFactory(tmp_path)

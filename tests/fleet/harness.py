@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -152,6 +152,19 @@ def wait_heartbeats(server: RedisServer, workers: list[WorkerProcess],
         return all(conn.exists(f"genq:worker:{w.name}") for w in workers)
 
     wait_for(ready, timeout=timeout, interval=0.1, what="worker heartbeats")
+
+
+def serving_worker(server: RedisServer, model: Path, workdir: Path, name: str,
+                   *extra: str) -> Iterator[WorkerProcess]:
+    """One worker started and heartbeating, stopped at the end: the body of a module's worker
+    fixture (`yield from serving_worker(...)`)."""
+    factory = WorkerFactory(workdir)
+    try:
+        proc = factory.start(server.url, model, name, *extra)
+        wait_heartbeats(server, [proc])
+        yield proc
+    finally:
+        factory.stop_all()
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05,

@@ -13,28 +13,17 @@ import pytest
 
 from producer import AsyncClient, Client, ResultExpired
 from producer.protocol import Keys
-from tests.fleet.harness import RedisServer, WorkerFactory, WorkerProcess, wait_for, wait_heartbeats
+from tests.fleet.harness import RedisServer, WorkerProcess, serving_worker, wait_for
 
 KEYS = Keys()
 PARAMS = {"temperature": 0, "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    srv = RedisServer(tmp_path_factory.mktemp("redis"))
-    srv.start()
-    yield srv
-    srv.kill()
-
-
-@pytest.fixture(scope="module")
 def worker(server: RedisServer, tiny_llama: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    factory = WorkerFactory(tmp_path_factory.mktemp("workers"))
-    proc = factory.start(server.url, tiny_llama, "brief", "--result-ttl", "1")
-    wait_heartbeats(server, [proc])
-    yield proc
-    factory.stop_all()
+    yield from serving_worker(server, tiny_llama, tmp_path_factory.mktemp("workers"), "brief",
+                              "--result-ttl", "1")
 
 
 def expired(server: RedisServer, job_id: str) -> None:

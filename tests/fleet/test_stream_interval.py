@@ -16,10 +16,9 @@ from producer import Client
 from producer.protocol import JobSpec
 from tests.fleet.harness import (
     RedisServer,
-    WorkerFactory,
     WorkerProcess,
     reply_events,
-    wait_heartbeats,
+    serving_worker,
 )
 from worker.config import WorkerConfig
 from worker.jobs import ActiveJob, token_events
@@ -29,21 +28,10 @@ INTERVAL = 4
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    srv = RedisServer(tmp_path_factory.mktemp("redis"))
-    srv.start()
-    yield srv
-    srv.kill()
-
-
-@pytest.fixture(scope="module")
 def worker(server: RedisServer, tiny_llama: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    factory = WorkerFactory(tmp_path_factory.mktemp("workers"))
-    proc = factory.start(server.url, tiny_llama, "chunky", "--stream-interval", str(INTERVAL))
-    wait_heartbeats(server, [proc])
-    yield proc
-    factory.stop_all()
+    yield from serving_worker(server, tiny_llama, tmp_path_factory.mktemp("workers"), "chunky",
+                              "--stream-interval", str(INTERVAL))
 
 
 def chunks(server: RedisServer, job_id: str) -> dict[int, list[tuple[int, list[int]]]]:

@@ -24,11 +24,10 @@ from producer.protocol import Keys, ProtocolError, decode_heartbeat, validate_na
 from tests.fleet.harness import (
     REPO,
     RedisServer,
-    WorkerFactory,
     WorkerProcess,
     reply_events,
+    serving_worker,
     wait_for,
-    wait_heartbeats,
 )
 
 KEYS = Keys()
@@ -38,24 +37,13 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    srv = RedisServer(tmp_path_factory.mktemp("redis"))
-    srv.start()
-    yield srv
-    srv.kill()
-
-
-@pytest.fixture(scope="module")
 def worker(server: RedisServer, long_llama: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     # long_llama: tiny_llama with 4096 positions, so a job can outlast a deadline.
-    factory = WorkerFactory(tmp_path_factory.mktemp("workers"))
-    proc = factory.start(server.url, long_llama, "solo", "--max-num-seqs", "4",
-                         "--max-tokens-cap", "4000", "--max-n", "2", "--max-prompt-tokens", "64",
-                         "--max-attempts", "3", "--result-ttl", "6")
-    wait_heartbeats(server, [proc])
-    yield proc
-    factory.stop_all()
+    yield from serving_worker(server, long_llama, tmp_path_factory.mktemp("workers"), "solo",
+                              "--max-num-seqs", "4", "--max-tokens-cap", "4000", "--max-n", "2",
+                              "--max-prompt-tokens", "64", "--max-attempts", "3",
+                              "--result-ttl", "6")
 
 
 def heartbeat(server: RedisServer) -> dict[str, Any]:
