@@ -139,7 +139,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     prompt_seen = _counts([r.token_ids[:r.num_prompt_tokens] for r in rows], vocab, dev) > 0
     rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
     seen = prompt_seen | (out_counts > 0)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    # Kept finite: a penalty that rounds to 0 or inf in float32 (1e-300, 1e300) turns a seen
+    # token's logit into inf or 0 / 0; the largest float instead (ties pick the first, as
+    # transformers' inf does), and 0. (Banned tokens stay -inf.)
+    penalised = torch.where(logits < 0, logits * rep, logits / rep) \
+        .nan_to_num(nan=0.0, posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
     logits = torch.where(seen, penalised, logits)
     freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
     pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]

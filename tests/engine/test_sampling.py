@@ -3,6 +3,8 @@ validation errors."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -30,6 +32,28 @@ def test_repetition_penalty_matches_transformers(tiny_llama, make_llm):
     outs = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert expected != hf_greedy(tiny_llama, PROMPTS, 12)  # the penalty changed something
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e300])
+def test_a_repetition_penalty_that_rounds_to_0_or_inf_keeps_logprobs_finite(tiny_llama, make_llm,
+                                                                            penalty):
+    """In float32 1e-300 is 0 and 1e300 is inf: a seen token's logit would become inf (NaN
+    logprobs, JSON that no client parses) or 0 * inf. Greedy tokens still match transformers."""
+    hf = _hf_model(tiny_llama)
+    expected = []
+    for p in PROMPTS:
+        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
+                          max_new_tokens=8, do_sample=False, repetition_penalty=penalty,
+                          eos_token_id=None, pad_token_id=2)
+        expected.append(out[0, len(p):].tolist())
+    params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=penalty,
+                            ignore_eos=True, logprobs=1)
+    outs = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for o in outs:
+        lps = [v for pos in o.outputs[0].logprobs for v in pos.values()]
+        assert len(lps) >= 8 and all(math.isfinite(v) for v in lps)
+        assert math.isfinite(o.outputs[0].cumulative_logprob)
 
 
 def test_presence_and_frequency_penalties_follow_their_formula(tiny_llama, make_llm):
