@@ -33,8 +33,11 @@ def tune_gc() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="genq worker", description=__doc__)
-    p.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX))
+    p.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"),
+                   help="Redis URL (env GENQ_REDIS; default: %(default)s)")
+    p.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX),
+                   help="key prefix shared with producers (env GENQ_PREFIX; default: "
+                        "%(default)s)")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--served-model-name", default=None,
                    help="name jobs route by (default: the model directory's basename)")
@@ -43,26 +46,46 @@ def build_parser() -> argparse.ArgumentParser:
                    help="consumer name and heartbeat key; stable across restarts "
                         "(default: the host name)")
     e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="float32")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
-    e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap space")
+    e.add_argument("--dtype", default="float32",
+                   help="float32, float16 or bfloat16 (default: %(default)s)")
+    e.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV cache block (default: %(default)s)")
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache blocks on the device (default: sized from the GPU's free "
+                        "memory, or 4 GiB of KV cache on the CPU)")
+    e.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences running at once; also caps the jobs this worker holds "
+                        "(default: %(default)s)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per engine step, prefill chunks included (default: %(default)s)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per sequence (default: the model's)")
+    e.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
+                   help="when the KV cache is full, recompute preempted requests later or swap "
+                        "their blocks to host memory (auto: swap requests with several sequences, "
+                        "recompute single ones; default: %(default)s)")
+    e.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of host swap space (default: %(default)s)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV cache of prompt prefixes that earlier "
-                   "requests computed (vLLM's automatic prefix caching; default: "
-                   "EngineConfig.enable_prefix_caching)")
-    e.add_argument("--seed", type=int, default=0)
+                   "requests computed (vLLM's automatic prefix caching; default: off)")
+    e.add_argument("--seed", type=int, default=0,
+                   help="seeds the sampling of requests without a seed of their own (jobs from "
+                        "the producer that sample always carry one; default: %(default)s)")
     e.add_argument("--num-threads", type=int, default=None, help="torch threads on the CPU")
     r = p.add_argument_group("reliability")
-    r.add_argument("--heartbeat-ttl", type=float, default=10.0)
-    r.add_argument("--reclaim-interval", type=float, default=5.0)
-    r.add_argument("--max-attempts", type=int, default=3)
-    r.add_argument("--result-ttl", type=int, default=3600, help="reply stream TTL (s)")
-    r.add_argument("--drain-timeout", type=float, default=30.0)
+    r.add_argument("--heartbeat-ttl", type=float, default=10.0,
+                   help="seconds without a heartbeat before other workers may reclaim this "
+                        "one's jobs (default: %(default)s)")
+    r.add_argument("--reclaim-interval", type=float, default=5.0,
+                   help="seconds between looks for dead workers' jobs (default: %(default)s)")
+    r.add_argument("--max-attempts", type=int, default=3,
+                   help="deliveries of a job before it is dead-lettered (default: %(default)s)")
+    r.add_argument("--result-ttl", type=int, default=3600,
+                   help="reply stream TTL in seconds (default: %(default)s)")
+    r.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets running jobs finish before the rest are handed "
+                        "back to the queue (default: %(default)s)")
     s = p.add_argument_group("streaming")
     s.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per sequence per tokens event: each sequence's first token is "
@@ -76,15 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("metrics")
     m.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
-    m.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics server binds")
+    m.add_argument("--metrics-host", default="0.0.0.0",
+                   help="address the metrics server binds (default: %(default)s)")
     c = p.add_argument_group("payload caps")
-    c.add_argument("--max-job-bytes", type=int, default=Limits.max_job_bytes)
-    c.add_argument("--max-prompt-bytes", type=int, default=Limits.max_prompt_bytes)
+    c.add_argument("--max-job-bytes", type=int, default=Limits.max_job_bytes,
+                   help="a larger job payload is refused (default: %(default)s)")
+    c.add_argument("--max-prompt-bytes", type=int, default=Limits.max_prompt_bytes,
+                   help="a larger prompt is refused (default: %(default)s)")
     c.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="default: the model's max length")
-    c.add_argument("--max-tokens-cap", type=int, default=Limits.max_tokens)
-    c.add_argument("--max-n", type=int, default=Limits.max_n)
-    c.add_argument("--max-stop", type=int, default=Limits.max_stop)
+    c.add_argument("--max-tokens-cap", type=int, default=Limits.max_tokens,
+                   help="the largest max_tokens a job may ask for (default: %(default)s)")
+    c.add_argument("--max-n", type=int, default=Limits.max_n,
+                   help="the largest n / best_of a job may ask for (default: %(default)s)")
+    c.add_argument("--max-stop", type=int, default=Limits.max_stop,
+                   help="the most stop strings a job may give (default: %(default)s)")
     return p
 
 
