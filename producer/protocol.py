@@ -124,11 +124,18 @@ Check = Callable[[object], bool]
 
 
 def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An int MessagePack can carry (a 64-bit one): larger ones fail to encode."""
+    return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**64
 
 
 def _is_num(v: object) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(float(v))  # type: ignore[arg-type]
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return _is_int(v)  # (every 64-bit int is a finite float)
+
+
+def _is_big_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and not _is_int(v)
 
 
 def _opt(check: Check) -> Check:
@@ -192,6 +199,9 @@ def check_params(params: object, job_id: str | None = None) -> dict[str, Any]:
     for name, value in params.items():
         check, kind = SAMPLING_PARAM_CHECKS[name]
         if not check(value):
+            if _is_big_int(value):
+                raise ProtocolError("wrong_type", f"params.{name} = {value!r:.80} is out of "
+                                    "range: the wire carries 64-bit integers", job_id)
             raise ProtocolError("wrong_type", f"params.{name} must be {kind}, "
                                 f"got {type(value).__name__} {value!r:.80}", job_id)
     for name in ("n", "max_tokens"):
@@ -256,6 +266,9 @@ def check_job_spec(spec: JobSpec) -> JobSpec:
     except UnicodeEncodeError:
         _check_text(wire, "", checked.id)
         raise
+    except (OverflowError, ValueError, TypeError) as exc:  # (the checks above should catch all)
+        raise ProtocolError("wrong_type", f"the job cannot be encoded: {exc}"[:300],
+                            checked.id) from None
     return checked
 
 
@@ -302,7 +315,7 @@ def decode_job_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes],
     attempt_base = 0
     if "a" in raw:
         a = as_str(raw["a"])
-        if not a.isdigit() or len(a) > 9:
+        if not (a.isascii() and a.isdigit()) or len(a) > 9:  # ('²'.isdigit(): int() refuses)
             raise ProtocolError("wrong_type", f"entry field 'a' must be a small integer, got {a!r}")
         attempt_base = int(a)
     payload = raw["job"]
@@ -505,7 +518,7 @@ def decode_event(data: bytes, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> dict[
     if not isinstance(event, dict):
         raise ProtocolError("wrong_type", "an event must be a map")
     kind = event.get("type")
-    if kind not in _EVENT_FIELDS:
+    if not isinstance(kind, str) or kind not in _EVENT_FIELDS:
         raise ProtocolError("wrong_type", f"unknown event type {kind!r:.40}")
     spec = {"type": (_is_str, "str"), "attempt": (_is_int, "int"), **_EVENT_FIELDS[kind]}
     _check_map(event, spec, f"{kind} event", _OPTIONAL_EVENT_FIELDS)

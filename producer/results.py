@@ -315,7 +315,8 @@ def _terminal_event(value: bytes) -> dict[str, Any] | None:
             peek = msgpack.unpackb(value, raw=False)
         except Exception:
             peek = None  # decode_event says what is wrong with it
-        if isinstance(peek, dict) and peek.get("type") in _NOT_TERMINAL:
+        kind = peek.get("type") if isinstance(peek, dict) else None
+        if isinstance(kind, str) and kind in _NOT_TERMINAL:
             return None
     event = decode_event(value)
     return event if event["type"] in TERMINAL_EVENT_TYPES else None

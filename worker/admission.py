@@ -10,6 +10,7 @@ event on the job's reply stream when the id is valid, and dead-lettered when it 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from worker.jobs import ActiveJob
 from worker.token_text import TokenTexts
 
 _SPECIAL_TOKEN_ALLOWANCE = 4
+log = logging.getLogger("genq.worker")
 
 
 @dataclass(slots=True)
@@ -69,6 +71,11 @@ class Admission:
                              dead=reply is None or deliveries > self.cfg.max_attempts,
                              raw_job=raw_job,
                              idem_key=self.keys.idem(exc.job_id) if exc.job_id else None)
+        except Exception as exc:  # a decoder bug must not crash every worker that reads it
+            log.exception("decoding job entry %s failed", entry_id)
+            return Rejection(entry_id, deliveries, deliveries, None, "malformed",
+                             f"the job entry could not be decoded: {type(exc).__name__}: "
+                             f"{exc}"[:300], dead=True, raw_job=raw_job)
         attempt = attempt_base + deliveries
 
         def reject(code: str, message: str, dead: bool = False) -> Rejection:
@@ -90,6 +97,10 @@ class Admission:
             prompt = self._prompt(spec)
         except ProtocolError as exc:
             return reject(exc.code, exc.message)
+        except Exception as exc:  # e.g. the tokenizer on some text
+            log.exception("job %s: preparing its prompt failed", spec.id)
+            return reject("invalid_prompt", f"the prompt could not be prepared: "
+                          f"{type(exc).__name__}: {exc}"[:300])
         try:
             params = SamplingParams.from_dict(self._params(spec))
         except Exception as exc:  # ValueError with the engine's reason, or worse

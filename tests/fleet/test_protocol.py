@@ -17,6 +17,7 @@ from producer.protocol import (
     Keys,
     Limits,
     ProtocolError,
+    check_job_spec,
     check_limits,
     decode_event,
     decode_job_entry,
@@ -84,6 +85,8 @@ JOB = GOOD.to_wire()
     ({b"v": b"2", b"job": msgpack.packb(JOB)}, "bad_version", None),
     (entry(JOB, extra=b"1"), "unknown_field", None),
     (entry(JOB, a=b"-1"), "wrong_type", None),
+    (entry(JOB, a="\u00b2".encode()), "wrong_type", None),  # '²'.isdigit(), int('²') raises
+    (entry(JOB, a="\u0663".encode()), "wrong_type", None),  # Arabic-Indic 3: int() takes it
     ({b"v": b"1", b"job": b"\xc1\xc1"}, "malformed", None),
     ({b"v": b"1", b"job": msgpack.packb([1, 2])}, "wrong_type", None),
     (entry({**JOB, "id": "bad id"}), "bad_id", None),
@@ -140,6 +143,21 @@ def test_random_job_maps_never_crash_decoding(job: dict[str, object]) -> None:
     assert spec.id == job["id"]
 
 
+@pytest.mark.parametrize("params, message", [
+    ({"max_tokens": 2**64}, "params.max_tokens = 18446744073709551616 is out of range"),
+    ({"n": -(2**63) - 1}, "params.n = -9223372036854775809 is out of range"),
+    ({"top_k": 10**30}, "params.top_k = 1000000000000000000000000000000 is out of range"),
+    ({"min_p": 10**400}, "params.min_p = 1000000000"),  # (float() of it overflows)
+    ({"stop_token_ids": [1, 2**64]}, "params.stop_token_ids must be list of int"),
+])
+def test_integers_the_wire_cannot_carry_are_protocol_errors(params: dict[str, object],
+                                                             message: str) -> None:
+    with pytest.raises(ProtocolError) as exc:
+        check_job_spec(dataclasses.replace(GOOD, params=params))
+    assert (exc.value.code, exc.value.job_id) == ("wrong_type", "job-1")
+    assert exc.value.message.startswith(message)
+
+
 def test_caps_are_limit_errors() -> None:
     limits = Limits(max_prompt_bytes=10, max_tokens=8, max_n=2, max_prompt_tokens=3)
     cases = [
@@ -167,6 +185,8 @@ def test_events_round_trip() -> None:
 
 @pytest.mark.parametrize("event, code", [
     ({"type": "bogus", "attempt": 1}, "wrong_type"),
+    ({"type": [1], "attempt": 1}, "wrong_type"),  # (unhashable)
+    ({"type": {"a": 1}, "attempt": 1}, "wrong_type"),
     ({"type": "started", "attempt": 1}, "missing_field"),
     ({"type": "started", "attempt": 1, "worker": "w", "x": 1}, "unknown_field"),
     ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0, "token_ids": ["a"], "text": ""},
