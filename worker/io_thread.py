@@ -26,7 +26,11 @@ from worker.scripts import Scripts
 log = logging.getLogger("genq.worker")
 _GONE_KEEP_S = 10.0
 _FENCE_RECHECK_S = 1.0  # the longest token writes go on without a full ownership check
-_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
+# Redis out of memory (maxmemory, noeviction) or a replica during a failover: refusals that pass,
+# retried as a lost connection is (dropping the write would leave a gap in the tokens, or a
+# finished job unacked and run again).
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
+              redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
 
 
 class EventWrite(NamedTuple):
@@ -166,7 +170,9 @@ class Writer(threading.Thread):
                 return
             except _RETRYABLE as exc:
                 self._fence_seen = ""  # Redis may have restarted: check ownership again
-                log.warning("redis write failed (%s); retrying in %.2f s", exc, backoff)
+                hint = " (Redis is out of memory: raise its maxmemory or free some)" \
+                    if isinstance(exc, redis.exceptions.OutOfMemoryError) else ""
+                log.warning("redis write failed (%s)%s; retrying in %.2f s", exc, hint, backoff)
             except redis.ResponseError as exc:  # e.g. NOGROUP after Redis lost its data
                 if isinstance(exc, redis.exceptions.NoPermissionError) and self.mark_ended \
                         and batch.finishes:

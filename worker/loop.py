@@ -185,8 +185,10 @@ class Worker:
         self._expire_deadlines()
 
     def _wait_for_writer(self) -> None:
-        """After a step: while the writer is behind (e.g. Redis is down), wait for it."""
-        while self.writer.backlog() > 8 and not self._drain_expired():
+        """After a step: while the writer is behind (e.g. Redis is down), wait for it; a stop
+        request ends the wait (the drain that follows bounds the rest)."""
+        while self.writer.backlog() > 8 and not self._drain_expired() and not (
+                self._drain_end is None and self.stop_requested.is_set()):
             time.sleep(0.002)
             self._take_writer_feedback()
 

@@ -52,8 +52,11 @@ class JobReader:
                                              block=block_ms)
             self._backoff = 0.05
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            # NOGROUP: the group is gone (Redis lost its data); UNBLOCKED: the stream key was
+            # deleted (DEL, FLUSHALL) under a blocked read. Either way: re-create, read again.
+            if "NOGROUP" not in str(exc) and not str(exc).startswith("UNBLOCKED"):
                 raise
+            log.warning("the job stream or its group is gone (%s); re-creating it", exc)
             self.ensure_group(wait=False)
             return []
         except RETRYABLE as exc:

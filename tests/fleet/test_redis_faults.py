@@ -1,0 +1,115 @@
+"""Redis misbehaving under a worker: its job stream deleted or flushed, out of memory, down when
+the worker is told to stop. Nothing is lost, no worker dies, and stopping stays bounded."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from producer import Client
+from tests.fleet.harness import (
+    Expected,
+    RedisServer,
+    WorkerFactory,
+    as_expected,
+    reply_events,
+    wait_for,
+    wait_heartbeats,
+)
+from tests.fleet.test_fleet import stream_all, streamed_tokens
+from tests.tiny_models import corpus
+
+Oracle = Callable[[list[str], Any], list[Expected]]
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+
+
+def test_an_idle_worker_survives_its_job_stream_deleted_and_redis_flushed(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
+        offline: Oracle) -> None:
+    """A blocked XREADGROUP answers UNBLOCKED when its stream key goes (DEL, FLUSHALL): the
+    worker re-creates the stream and its group, and serves the next job."""
+    worker = workers.start(redis_server.url, tiny_llama, "w1")
+    wait_heartbeats(redis_server, [worker])
+    client = Client(redis_server.url)
+    prompts = corpus(3, seed=11)
+    want = offline(prompts, GREEDY)
+    assert as_expected(client.submit(prompts[0], GREEDY, model="tiny").result(60)) == want[0]
+    conn = redis_server.client()
+    for k, wipe in enumerate((lambda: conn.delete("genq:jobs:tiny"), conn.flushall), start=1):
+        time.sleep(0.3)  # the worker is idle again, blocked in its read
+        wipe()
+        time.sleep(0.3)
+        assert worker.alive(), worker.output()[-3000:]
+        result = client.submit(prompts[k], GREEDY, model="tiny").result(60)
+        assert as_expected(result) == want[k]
+    assert worker.alive()
+    assert "re-creating it" in worker.output()
+
+
+def test_writes_refused_while_redis_is_out_of_memory_land_once_it_has_room(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
+        offline: Oracle) -> None:
+    """maxmemory with noeviction refuses every XADD: the writer holds the step's writes and
+    retries (dropping them left a gap in the stream and the job unacked, run again)."""
+    worker = workers.start(redis_server.url, tiny_llama, "w1")
+    wait_heartbeats(redis_server, [worker])
+    prompts = corpus(4, seed=12)
+    params = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
+    client = Client(redis_server.url)
+    jobs = [client.submit(p, params, model="tiny") for p in prompts]
+    seen, threads = stream_all(jobs, timeout=300)
+    wait_for(lambda: all(any(e["type"] == "tokens" for e in seen[j.id]) for j in jobs),
+             timeout=60, interval=0.01, what="tokens of every job")
+    conn = redis_server.client()
+    conn.config_set("maxmemory", 1)  # (noeviction is the default policy)
+    time.sleep(1.5)
+    lengths = [conn.xlen(f"genq:reply:{j.id}") for j in jobs]
+    time.sleep(0.5)
+    assert [conn.xlen(f"genq:reply:{j.id}") for j in jobs] == lengths  # nothing lands
+    conn.config_set("maxmemory", 0)
+    for t in threads:
+        t.join(300)
+    want = offline(prompts, params)
+    for job, expected in zip(jobs, want, strict=True):
+        positions, tokens = streamed_tokens(seen[job.id])
+        assert positions == list(range(300))  # every token once, no gap
+        assert tokens == expected[0][0]
+        assert as_expected(seen[job.id][-1]) == expected
+        assert [e["type"] for e in reply_events(redis_server, job.id)].count("done") == 1
+    assert worker.alive()
+    assert "Redis is out of memory" in worker.output()
+
+
+def test_sigterm_while_redis_is_down_stops_within_the_drain_and_loses_nothing(
+        redis_server: RedisServer, workers: WorkerFactory, long_llama: Path) -> None:
+    """With Redis down the writer falls behind and the loop waits for it; a stop request ends
+    that wait: the worker drains for --drain-timeout, gives the final flush its 15 s and exits.
+    Its unacked jobs are still pending under its name: its next run re-reads them."""
+    from engine import LLM, SamplingParams
+
+    first = workers.start(redis_server.url, long_llama, "w1", "--drain-timeout", "1")
+    wait_heartbeats(redis_server, [first])
+    prompts = corpus(3, seed=13)
+    params = {"temperature": 0, "max_tokens": 1500, "ignore_eos": True}
+    client = Client(redis_server.url)
+    jobs = [client.submit(p, params, model="tiny") for p in prompts]
+    wait_for(lambda: all(any(e["type"] == "tokens" for e in reply_events(redis_server, j.id))
+                         for j in jobs), timeout=60, interval=0.02, what="tokens of all jobs")
+    redis_server.kill()
+    time.sleep(1.0)  # the writer retries; the loop waits for it, the jobs still running
+    start = time.monotonic()
+    assert first.terminate(timeout=40) == 0
+    assert time.monotonic() - start < 25  # 1 s of drain + 15 s of final flush, and slack
+    redis_server.start()
+    again = workers.start(redis_server.url, long_llama, "w1")
+    results = [job.result(timeout=300) for job in jobs]
+    llm = LLM(model=str(long_llama), num_gpu_blocks_override=1024, swap_space=0.01,
+              num_threads=1)
+    want = llm.generate(prompts, SamplingParams.from_dict(params), use_tqdm=False)
+    assert [r["outputs"][0]["token_ids"] for r in results] == \
+        [list(o.outputs[0].token_ids) for o in want]
+    assert [len(r["outputs"][0]["token_ids"]) for r in results] == [1500] * 3
+    assert [r["attempt"] for r in results] == [2, 2, 2]
+    assert again.alive()
