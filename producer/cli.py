@@ -17,7 +17,14 @@ from typing import Any
 
 import redis
 
-from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, as_str, decode_heartbeat
+from producer.protocol import (
+    DEFAULT_PREFIX,
+    Keys,
+    Limits,
+    ProtocolError,
+    as_str,
+    decode_heartbeat,
+)
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("producer.cli:submit_main", "submit one job and stream its text"),
@@ -62,6 +69,31 @@ def add_redis_args(parser: argparse.ArgumentParser) -> None:
                         help="Redis URL (env GENQ_REDIS)")
     parser.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX),
                         help="key prefix (env GENQ_PREFIX)")
+
+
+def add_limit_args(parser: argparse.ArgumentParser, who: str) -> None:
+    """The payload caps (protocol.Limits) as flags; the gateway checks the same ones as the
+    workers, so give both the same values."""
+    c = parser.add_argument_group("payload caps", f"what {who} refuses (limit_exceeded)")
+    c.add_argument("--max-job-bytes", type=int, default=Limits.max_job_bytes,
+                   help="a larger job payload is refused (default: %(default)s)")
+    c.add_argument("--max-prompt-bytes", type=int, default=Limits.max_prompt_bytes,
+                   help="a larger prompt is refused (default: %(default)s)")
+    c.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="a prompt of more tokens is refused (default: the model's max length)")
+    c.add_argument("--max-tokens-cap", type=int, default=Limits.max_tokens,
+                   help="the largest max_tokens a job may ask for (a worker gives a job "
+                        "with max_tokens null this many; default: %(default)s)")
+    c.add_argument("--max-n", type=int, default=Limits.max_n,
+                   help="the largest n / best_of a job may ask for (default: %(default)s)")
+    c.add_argument("--max-stop", type=int, default=Limits.max_stop,
+                   help="the most stop strings a job may give (default: %(default)s)")
+
+
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    return Limits(max_job_bytes=args.max_job_bytes, max_prompt_bytes=args.max_prompt_bytes,
+                  max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_cap,
+                  max_n=args.max_n, max_stop=args.max_stop)
 
 
 # --------------------------------------------------------------------------- submit

@@ -41,6 +41,7 @@ from redis import ConnectionError as RedisConnectionError
 from redis import TimeoutError as RedisTimeoutError
 
 from producer import openai_schema as oa
+from producer.cli import add_limit_args, limits_from_args
 from producer.client import make_job_spec
 from producer.gateway_fleet import (
     FleetView,
@@ -90,6 +91,9 @@ class Gateway:
         self.fleet = FleetView(self.redis.conn, self.keys)
         self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Requests reading each job now: a cut request's delayed cancel spares a job that
+        # another request (a retry with the same Genq-Job-Id) reads by then.
+        self._readers: dict[str, int] = {}
 
     # ------------------------------------------------------------------ submission
 
@@ -133,9 +137,21 @@ class Gateway:
 
     def _cancel_now(self, job_id: str) -> None:
         self._pending_cancels.pop(job_id, None)
+        if self._readers.get(job_id):
+            return  # a retry reads it: it stays wanted
         task = asyncio.get_running_loop().create_task(self.redis.cancel(job_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _enter(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            self._readers[job_id] = self._readers.get(job_id, 0) + 1
+
+    def _leave(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            left = self._readers.pop(job_id, 1) - 1
+            if left:
+                self._readers[job_id] = left
 
     def reader(self, job_id: str, after: str | None = None) -> JobReader:
         return JobReader(self.redis.blocking_conn, self.keys.reply(job_id), job_id, after,
@@ -158,15 +174,22 @@ class Gateway:
         if req.stream:
             return await self._stream(request, req, ids[0], prefix + headers[JOB_ID_HEADER],
                                       chat, headers, prompts, resume_after)
+        self._enter(ids)
         try:
             results = await watch_disconnect(request, asyncio.gather(
                 *(self.reader(job_id).result() for job_id in ids)))
         except ClientGone:
+            self._leave(ids)
             self.cancel_later(ids)
             return Response(status_code=499)
         except GatewayError:  # one job failed or timed out: the others' work is wasted
+            self._leave(ids)
             await asyncio.gather(*(self.redis.cancel(job_id) for job_id in ids))
             raise
+        except BaseException:
+            self._leave(ids)
+            raise
+        self._leave(ids)
         shaper = Choices(req, chat, prefix + headers[JOB_ID_HEADER], int(time.time()), prompts)
         choices: list[dict[str, Any]] = []
         prompt_tokens, completion_tokens = 0, 0
@@ -184,13 +207,19 @@ class Gateway:
                       prompts: list[str | list[int]], resume_after: str | None) -> Response:
         reader = self.reader(job_id, after=resume_after)
         events = reader.events()
+        self._enter([job_id])  # (left when the body ends, or here on the way out)
         try:  # the first event decides the status: a job the worker rejects is a 4xx/5xx
             first = await watch_disconnect(request, anext_or_none(events))
         except ClientGone:
+            self._leave([job_id])
             await events.aclose()
             self.cancel_later([job_id])
             return Response(status_code=499)
+        except BaseException:
+            self._leave([job_id])
+            raise
         if first is not None and first[1]["type"] == "error":
+            self._leave([job_id])
             await events.aclose()
             raise error_status(first[1])
         # From the reply stream's clock, so a resumed stream's chunks match the first ones.
@@ -216,6 +245,7 @@ class Gateway:
             except GatewayError as exc:  # e.g. no terminal event before the deadline
                 yield f"data: {json.dumps(exc.body())}\n\n"
             finally:
+                self._leave([job_id])
                 if not finished:  # the client went away (or we failed): stop the job
                     with anyio.CancelScope(shield=True):
                         await events.aclose()
@@ -323,12 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-connections", type=int, default=GatewayConfig.max_connections,
                    help="Redis connections for reading replies; further requests wait")
     p.add_argument("--log-level", default="info")
+    add_limit_args(p, "the gateway (before enqueueing: give it the workers' caps)")
     args = p.parse_args(argv)
     try:
         cfg = GatewayConfig(redis_url=args.redis, prefix=args.prefix,
                             max_queue_depth=args.max_queue_depth, timeout_s=args.timeout,
                             resume_grace_s=args.resume_grace,
-                            max_connections=args.max_connections)
+                            max_connections=args.max_connections, limits=limits_from_args(args))
     except ValueError as exc:
         p.error(str(exc))
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level)

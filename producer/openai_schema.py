@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from producer.protocol import SAMPLING_PARAM_NAMES
 
@@ -58,6 +58,13 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+                     mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI takes null for these: the default."""
+        return cls.model_fields[info.field_name or ""].default if value is None else value
 
     @property
     def logprobs_k(self) -> int | None:
@@ -162,7 +169,11 @@ class ChatCompletionRequest(_Request):
     def to_params(self) -> dict[str, Any]:
         if self.top_logprobs is not None and not self.logprobs:
             raise GatewayError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens)
+        params = self.sampling_params(self.max_completion_tokens or self.max_tokens)
+        # Neither given: as long as the model's context (and the worker's cap) allows, as
+        # OpenAI and vLLM do for chat; the engine's default would stop at 16 tokens.
+        params.setdefault("max_tokens", None)
+        return params
 
     def wire_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -439,8 +439,7 @@ def check_limits(spec: JobSpec, limits: Limits) -> None:
         raise over(f"prompt has {len(spec.prompt_token_ids)} tokens, over the cap of "
                    f"{limits.max_prompt_tokens}")
     p = spec.params
-    if p.get("max_tokens") is None and "max_tokens" in p:
-        raise over(f"max_tokens must be set (at most {limits.max_tokens})")
+    # (max_tokens None: as many as the cap and the model's context allow; the worker sets it)
     if (p.get("max_tokens") or 0) > limits.max_tokens:
         raise over(f"max_tokens={p['max_tokens']} is over the cap of {limits.max_tokens}")
     for name in ("n", "best_of"):

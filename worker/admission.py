@@ -115,6 +115,10 @@ class Admission:
 
     def _params(self, spec: JobSpec) -> dict[str, Any]:
         params = dict(spec.params)
+        if "max_tokens" in params and params["max_tokens"] is None:
+            # None: no limit of the job's own (OpenAI's chat default): the cap, and the engine
+            # stops at the model's context ("length") if that comes first. (Absent: 16.)
+            params["max_tokens"] = self.cfg.limits.max_tokens
         if params.get("seed") is None and spec.seed is not None:
             params["seed"] = spec.seed
         return params

@@ -91,7 +91,9 @@ class Writer(threading.Thread):
         # event). (entry, deliveries) -> when, oldest first; kept _GONE_KEEP_S.
         self._gone: dict[tuple[str, int], float] = {}
         self._gone_ids: dict[str, int] = {}  # entry id -> its attempts in _gone (a quick test)
-        self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries no longer ours
+        # Attempts no longer ours, as (entry id, deliveries): the attempt, not just the entry (a
+        # newer delivery of the entry to this worker may be running by the time this is read).
+        self.lost: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
         self.num_events_written = 0  # after coalescing
         self._queue: queue.Queue[Batch | None] = queue.Queue()
@@ -289,8 +291,7 @@ class Writer(threading.Thread):
                         self._mark_gone(w.entry_id, w.deliveries, now)
                         if verified.get(w.entry_id) == w.deliveries:
                             del verified[w.entry_id]
-                for entry_id in lost:
-                    self.lost.put(entry_id)
+                        self.lost.put((w.entry_id, w.deliveries))
         self.num_events_written += num_events
         for fin in batch.finishes:
             if fin.reply_key is not None:

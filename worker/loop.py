@@ -201,14 +201,20 @@ class Worker:
     def _read_new(self) -> None:
         capacity = self._capacity()
         now = time.monotonic()
-        if capacity > 0 and (now >= self._next_reclaim or self.reader.failed):
+        if now >= self._next_reclaim or self.reader.failed:
             self._next_reclaim = now + self.cfg.reclaim_interval
             self.reader.failed = False
-            orphans = self.reader.orphans(set(self.jobs) | self.finishing, capacity,
-                                          scan=2 * self.max_num_seqs + 64)
-            self._admit(orphans)
-            capacity -= len(orphans)
-            capacity -= self._claim(include_self=False, count=capacity)
+            scan = 2 * self.max_num_seqs + 64
+            pending = self.reader.own_pending(scan)
+            if pending is not None:
+                self._check_ownership(pending, complete=len(pending) < scan)
+            if capacity > 0 and pending:
+                orphans = self.reader.orphans(pending, set(self.jobs) | self.finishing,
+                                              capacity)
+                self._admit(orphans)
+                capacity -= len(orphans)
+            if capacity > 0:
+                capacity -= self._claim(include_self=False, count=capacity)
         # Running requests: take what is there and step on. Nothing to run: wait in Redis for
         # work, briefly while finish writes are in flight (their acks free capacity), rather
         # than spinning on empty reads.
@@ -223,7 +229,8 @@ class Worker:
         claimed = self.reader.claim(count, include_self)
         if claimed:
             log.info("claimed %d pending job(s)%s", len(claimed),
-                     " of mine" if include_self else "")
+                     " at start (this worker's own from a previous run, or a dead worker's)"
+                     if include_self else " of dead workers")
             self.counters["reclaimed"] += len(claimed)
         self._admit(claimed)
         return len(claimed)
@@ -240,6 +247,11 @@ class Worker:
         cancelled = set(self.early_cancels)
         batch = Batch()
         for d in decided:
+            prev = self.jobs.get(d.job.entry_id if isinstance(d, Admitted) else d.entry_id)
+            if prev is not None:  # Redis delivered an entry we run again: the new delivery
+                # is the one this worker owns now (e.g. it came back to us through another
+                # worker's claim, or Redis restarted from a snapshot older than our read)
+                self._drop_lost(prev, "delivered to this worker again")
             if isinstance(d, Admitted) and d.job.job_id in cancelled:
                 d = self._rejection(d.job, "cancelled", "cancelled by the client")
             if isinstance(d, Admitted):
@@ -353,17 +365,34 @@ class Worker:
         while not self.writer.finished.empty():
             self.finishing.discard(self.writer.finished.get())
         while not self.writer.lost.empty():
-            entry_id = self.writer.lost.get()
-            job = self.jobs.pop(entry_id, None)
-            self._last_tokens_at.pop(entry_id, None)
-            if job is not None:  # reclaimed by another worker while we were away: stop it
-                log.warning("job %s (entry %s) is no longer ours; aborting it", job.job_id,
-                            entry_id)
-                self.engine.abort(entry_id)
-                if self.by_job_id.get(job.job_id) == entry_id:
-                    del self.by_job_id[job.job_id]
-                self.counters["lost"] += 1
-                self.metrics.jobs_finished.inc(outcome="lost")
+            entry_id, deliveries = self.writer.lost.get()
+            job = self.jobs.get(entry_id)
+            if job is not None and job.deliveries == deliveries:  # (not a newer delivery)
+                self._drop_lost(job, "reclaimed by another worker while we were away")
+
+    def _drop_lost(self, job: ActiveJob, why: str) -> None:
+        """Stop running an attempt this worker no longer owns (no finish: not ours to write)."""
+        log.warning("job %s (entry %s, delivery %d) is no longer ours (%s); aborting it",
+                    job.job_id, job.entry_id, job.deliveries, why)
+        self.engine.abort(job.entry_id)
+        self.jobs.pop(job.entry_id, None)
+        self._last_tokens_at.pop(job.entry_id, None)
+        if self.by_job_id.get(job.job_id) == job.entry_id:
+            del self.by_job_id[job.job_id]
+        self.counters["lost"] += 1
+        self.metrics.jobs_finished.inc(outcome="lost")
+
+    def _check_ownership(self, pending: dict[str, int], complete: bool) -> None:
+        """Held attempts that this worker's pending list (XPENDING, `complete` when it was read
+        whole) no longer shows as ours: claimed away, acked by another. A job that writes
+        nothing while it runs (stream=False, held back by --stream-interval, waiting in the
+        engine) would otherwise run to its end for no one."""
+        for job in list(self.jobs.values()):
+            deliveries = pending.get(job.entry_id)
+            if deliveries is None and complete:
+                self._drop_lost(job, "not pending for this worker any more")
+            elif deliveries is not None and deliveries != job.deliveries:
+                self._drop_lost(job, f"delivered again since (delivery {deliveries})")
 
     def _apply_cancels(self) -> None:
         ids: set[str] = set()

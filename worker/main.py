@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from producer.protocol import DEFAULT_PREFIX, Limits
+from producer.cli import add_limit_args, limits_from_args
+from producer.protocol import DEFAULT_PREFIX
 from worker.config import WorkerConfig
 from worker.metrics import MetricsServer, Registry
 
@@ -101,19 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
     m.add_argument("--metrics-host", default="0.0.0.0",
                    help="address the metrics server binds (default: %(default)s)")
-    c = p.add_argument_group("payload caps")
-    c.add_argument("--max-job-bytes", type=int, default=Limits.max_job_bytes,
-                   help="a larger job payload is refused (default: %(default)s)")
-    c.add_argument("--max-prompt-bytes", type=int, default=Limits.max_prompt_bytes,
-                   help="a larger prompt is refused (default: %(default)s)")
-    c.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="default: the model's max length")
-    c.add_argument("--max-tokens-cap", type=int, default=Limits.max_tokens,
-                   help="the largest max_tokens a job may ask for (default: %(default)s)")
-    c.add_argument("--max-n", type=int, default=Limits.max_n,
-                   help="the largest n / best_of a job may ask for (default: %(default)s)")
-    c.add_argument("--max-stop", type=int, default=Limits.max_stop,
-                   help="the most stop strings a job may give (default: %(default)s)")
+    add_limit_args(p, "this worker")
     return p
 
 
@@ -139,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.name or default_name()} %(levelname)s "
                                "%(message)s")
     served = args.served_model_name or Path(args.model.rstrip("/")).name
-    limits = Limits(max_job_bytes=args.max_job_bytes, max_prompt_bytes=args.max_prompt_bytes,
-                    max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_cap,
-                    max_n=args.max_n, max_stop=args.max_stop)
+    limits = limits_from_args(args)
     try:
         cfg = WorkerConfig(redis_url=args.redis, served_model_name=served,
                            name=args.name or default_name(), prefix=args.prefix,

@@ -71,20 +71,29 @@ class JobReader:
         entries: Any = resp or []
         return [(as_str(eid), fields, 1) for _key, items in entries for eid, fields in items]
 
-    def orphans(self, held: set[str], count: int, scan: int) -> list[Entry]:
-        """Up to `count` entries pending for this worker that it does not hold: delivered by a
-        read whose reply was lost with the connection (Redis restarted or dropped us mid-read).
-        No one else would ever run them: this worker's heartbeat is alive. They keep their
-        delivery count, which is the fencing token the writes will carry."""
-        if count <= 0:
-            return []
+    def own_pending(self, scan: int) -> dict[str, int] | None:
+        """Up to `scan` of this worker's pending entries: entry id -> deliveries (the fencing
+        token of the attempt it owns). None when Redis could not say."""
         try:
             rows: list[dict[str, Any]] = self.conn.xpending_range(
                 self.jobs_key, self.keys.group, "-", "+", scan, consumername=self.me)
-            wanted = [(as_str(r["message_id"]), int(r["times_delivered"])) for r in rows
-                      if as_str(r["message_id"]) not in held][:count]
-            if not wanted:
-                return []
+        except RETRYABLE as exc:
+            log.warning("reading this worker's pending entries failed: %s", exc)
+            return None
+        except redis.ResponseError as exc:  # NOGROUP after Redis lost its data
+            log.warning("reading this worker's pending entries refused: %s", exc)
+            return None
+        return {as_str(r["message_id"]): int(r["times_delivered"]) for r in rows}
+
+    def orphans(self, pending: dict[str, int], held: set[str], count: int) -> list[Entry]:
+        """Up to `count` of the `pending` entries (own_pending) that this worker does not hold:
+        delivered by a read whose reply was lost with the connection (Redis restarted or dropped
+        us mid-read). No one else would ever run them: this worker's heartbeat is alive. They
+        keep their delivery count, which is the fencing token the writes will carry."""
+        wanted = [(eid, n) for eid, n in pending.items() if eid not in held][:count]
+        if not wanted:
+            return []
+        try:
             pipe = self.conn.pipeline(transaction=False)
             for entry_id, _ in wanted:
                 pipe.xrange(self.jobs_key, entry_id, entry_id)
@@ -95,10 +104,10 @@ class JobReader:
         except RETRYABLE as exc:
             log.warning("looking for orphaned entries failed: %s", exc)
             return []
-        except redis.ResponseError as exc:  # NOGROUP after Redis lost its data
+        except redis.ResponseError as exc:
             log.warning("looking for orphaned entries refused: %s", exc)
             return []
-        if wanted:
+        if len(wanted) > len(gone):
             log.warning("adopting %d entr%s Redis delivered to this worker in a read whose reply "
                         "was lost", len(wanted) - len(gone), "y" if len(wanted) - len(gone) == 1
                         else "ies")

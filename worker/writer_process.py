@@ -15,7 +15,8 @@ The pipe (no pickle): frames of a 4-byte little-endian length and a MessagePack 
 writer: a config map, then one [events, finishes] per batch (EventWrite and FinishWrite are
 tuples: one msgpack call per step); an empty frame: write what came before it, then exit.
 Writer to worker, after each write: {"n": batches written, "w": events written in all,
-"l": entry ids lost, "f": entry ids whose finish landed}; {"error": text} before it exits on a bug.
+"l": [entry id, deliveries] of the attempts lost, "f": entry ids whose finish landed};
+{"error": text} before it exits on a bug.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import redis
 
 from worker.io_thread import Batch, EventWrite, FinishWrite, Writer
 
+T = TypeVar("T")
 log = logging.getLogger("genq.worker")
 _HEADER = struct.Struct("<I")
 _PIPE_BYTES = 1 << 20  # ~80 steps of 256 jobs' events before a submit would block
@@ -53,7 +55,7 @@ class WriterProcess:
                        "group": group, "me": me, "reply_ttl": reply_ttl, "dead_ttl": dead_ttl,
                        "max_events_per_call": max_events_per_call, "fence_key": fence_key,
                        "log_level": logging.getLogger().getEffectiveLevel()}
-        self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries no longer ours
+        self.lost: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()  # (Writer.lost)
         self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
         self.num_events_written = 0  # after coalescing
         self.error: BaseException | None = None
@@ -157,8 +159,8 @@ class WriterProcess:
                 if "error" in msg:
                     self._fail(RuntimeError(f"the writer process failed: {msg['error']}"))
                     continue
-                for entry_id in msg["l"]:
-                    self.lost.put(entry_id)
+                for entry_id, deliveries in msg["l"]:
+                    self.lost.put((entry_id, deliveries))
                 for entry_id in msg["f"]:
                     self.finished.put(entry_id)
                 with self._cond:
@@ -261,8 +263,8 @@ def main(argv: list[str]) -> int:
         return 1
 
 
-def _drain(q: queue.SimpleQueue[str]) -> list[str]:
-    out = []
+def _drain(q: queue.SimpleQueue[T]) -> list[T]:
+    out: list[T] = []
     while not q.empty():
         out.append(q.get())
     return out

@@ -251,3 +251,16 @@ def test_genq_submit_messages_errors_are_one_line_and_exit_2(
     no_content = genq_submit("--messages", '[{"role": "user"}]', *common)  # the protocol's check
     assert (no_content.returncode, no_content.stderr) == (
         2, "genq submit: messages[0] needs the field 'content'\n")
+
+
+def test_a_chat_without_max_tokens_runs_to_the_context_or_eos_not_16_tokens(
+        client: openai.OpenAI, offline: Oracle) -> None:
+    """OpenAI and vLLM chat without max_tokens generate until the model stops or its context
+    is full; the engine's own default is 16. The job carries max_tokens null: the worker's cap
+    (4096, over this model's context), so the context decides."""
+    resp = client.chat.completions.create(model="chat", messages=CHAT,  # type: ignore[arg-type]
+                                          temperature=0)
+    [(token_ids, text, reason)] = offline(CHAT, {"max_tokens": 4096, "temperature": 0})
+    assert len(token_ids) > 16
+    assert [(c.message.content, c.finish_reason) for c in resp.choices] == [(text, reason)]
+    assert resp.usage is not None and resp.usage.completion_tokens == len(token_ids)

@@ -205,3 +205,81 @@ def test_while_redis_is_down_answers_are_openai_shaped_503s(tmp_path: Path) -> N
             assert error["message"].startswith("the gateway cannot reach Redis (")
     finally:
         gateway.stop()
+
+
+def test_the_gateway_checks_the_caps_it_is_given(fleet: tuple[RedisServer, GatewayProcess],
+                                                 tmp_path: Path) -> None:
+    """`genq gateway --max-tokens-cap` (and the other cap flags, as `genq worker` takes them):
+    a fleet whose workers allow more than the defaults is not refused at the gateway."""
+    server, _ = fleet
+    gateway = GatewayProcess(server.url, tmp_path / "gateway-caps.log", "--max-tokens-cap",
+                             "8000", "--max-n", "2")
+    try:
+        body = {"model": "tiny", "prompt": PROMPT, "temperature": 0}
+        over = httpx.post(f"{gateway.url}/v1/completions", json={**body, "n": 3}, timeout=60)
+        assert over.status_code == 400
+        assert over.json()["error"]["code"] == "limit_exceeded"
+        assert over.json()["error"]["message"] == "n=3 is over the cap of 2"
+        # 6000 is over the default cap (4096) but not this gateway's: it reaches a worker,
+        # whose own default cap refuses it, as a worker's error answered through the gateway.
+        big = httpx.post(f"{gateway.url}/v1/completions", json={**body, "max_tokens": 6000},
+                         timeout=60)
+        assert big.status_code == 400
+        assert big.json()["error"]["message"] == "max_tokens=6000 is over the cap of 4096"
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", 10**20), ("n", 2**64), ("top_k", 10**30),
+                                          ("min_p", 10**400)])
+def test_an_integer_too_big_for_the_wire_is_a_400_that_names_it(
+        fleet: tuple[RedisServer, GatewayProcess], field: str, value: int) -> None:
+    _, gateway = fleet
+    raw = json.dumps({"model": "tiny", "prompt": PROMPT, field: value})
+    resp = httpx.post(f"{gateway.url}/v1/completions", content=raw.encode(),
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert field in resp.json()["error"]["message"]
+
+
+def test_null_sampling_fields_take_their_defaults_as_openai_does(
+        fleet: tuple[RedisServer, GatewayProcess]) -> None:
+    _, gateway = fleet
+    nulls = {"n": None, "temperature": None, "top_p": None, "presence_penalty": None,
+             "frequency_penalty": None}
+    base = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "seed": 5}
+    with_nulls = httpx.post(f"{gateway.url}/v1/completions", json={**base, **nulls}, timeout=60)
+    defaults = httpx.post(f"{gateway.url}/v1/completions", json=base, timeout=60)
+    assert with_nulls.status_code == 200, with_nulls.text
+    assert [c["text"] for c in with_nulls.json()["choices"]] == \
+        [c["text"] for c in defaults.json()["choices"]]
+
+
+def test_a_cut_requests_delayed_cancel_spares_a_job_that_a_retry_reads(tmp_path: Path) -> None:
+    """A client that times out and retries at once with the same Genq-Job-Id: the first
+    request notices the disconnect up to 0.25 s late and schedules the job's cancel after the
+    resume grace; by then the retry reads the job, so the cancel must not fire. Once no request
+    reads it, a cut request's cancel does."""
+    from producer.gateway import Gateway, GatewayConfig
+
+    server = RedisServer(tmp_path)
+    server.start()
+
+    async def scenario() -> tuple[int, int]:
+        gateway = Gateway(GatewayConfig(redis_url=server.url, resume_grace_s=0.1))
+        conn = server.client()
+        gateway._enter(["job-r"])  # the retry is reading the job
+        gateway.cancel_later(["job-r"])  # the first request, cut, schedules its cancel
+        await asyncio.sleep(0.4)
+        spared = conn.exists("genq:cancel:job-r")
+        gateway._leave(["job-r"])  # the retry is cut too: nobody reads the job now
+        gateway.cancel_later(["job-r"])
+        await asyncio.sleep(0.4)
+        cancelled = conn.exists("genq:cancel:job-r")
+        await gateway.redis.close()
+        return spared, cancelled
+
+    try:
+        assert asyncio.run(scenario()) == (0, 1)
+    finally:
+        server.kill()

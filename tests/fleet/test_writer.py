@@ -79,7 +79,7 @@ def test_writes_to_an_entry_another_worker_claimed_are_refused(redis_server: Red
         FinishWrite(stolen, 1, KEYS.reply("j1"), encode_event(error_event(1, "x", "done")))]))
     writer.flush()
     writer.stop()
-    assert writer.lost.get_nowait() == stolen and writer.lost.empty()
+    assert writer.lost.get_nowait() == (stolen, 1) and writer.lost.empty()
     assert [e["type"] for e in events_of(redis_server, "j0")] == ["started", "error"]
     assert events_of(redis_server, "j1") == []
     pending = conn.xpending_range(JOBS, "workers", "-", "+", 10)
@@ -149,7 +149,7 @@ def test_a_claim_by_the_reclaim_script_stops_the_next_token_write(
     assert writer.lost.empty()
     assert [c[0].decode() for c in reclaim(conn, "thief")] == [entry]  # "me" has no heartbeat
     write_tokens(writer, entry, 2)
-    assert writer.lost.get_nowait() == entry
+    assert writer.lost.get_nowait() == (entry, 1)
     assert writer._fence_seen == "1"
     # Events the loop queued before it heard of the loss: this write skips the check (the
     # counter stands still again), and the writer itself drops them.
@@ -170,7 +170,7 @@ def test_a_restart_under_the_same_name_fences_the_old_process(redis_server: Redi
         (entry, 2)]
     write_tokens(old, entry, 1)
     old.stop()
-    assert old.lost.get_nowait() == entry
+    assert old.lost.get_nowait() == (entry, 1)
     assert [e["pos"] for e in events_of(redis_server, "j0")] == [0]
 
 
@@ -187,7 +187,7 @@ def test_a_claim_the_counter_missed_is_caught_by_the_periodic_full_check(
     writer._fence_checked_at -= 2.0  # a second later
     write_tokens(writer, entry, 2)
     writer.stop()
-    assert writer.lost.get_nowait() == entry
+    assert writer.lost.get_nowait() == (entry, 1)
     assert [e["pos"] for e in events_of(redis_server, "j0")] == [0, 1]
 
 
@@ -293,9 +293,9 @@ def test_after_a_claim_an_entry_the_first_write_did_not_carry_is_checked_at_its_
     write(second, "j1", 0)
     assert sorted(c[0].decode() for c in reclaim(conn, "thief")) == sorted([first, second])
     write(first, "j0", 1)  # the counter moved: this write checks, and learns of `first`
-    assert writer.lost.get_nowait() == first
+    assert writer.lost.get_nowait() == (first, 1)
     write(second, "j1", 1)  # the counter stands still again, but `second` was not checked yet
-    assert writer.lost.get_nowait() == second
+    assert writer.lost.get_nowait() == (second, 1)
     conn.xadd(JOBS, {"v": b"1", "job": msgpack.packb({"id": "j2"})})
     ((_, [(third, _)]),) = conn.xreadgroup("workers", "me", {JOBS: ">"}, count=1)
     write(third.decode(), "j2", 0)  # a new entry: checked once, and it is ours

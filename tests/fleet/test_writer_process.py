@@ -49,7 +49,7 @@ def test_writes_fencing_and_feedback_are_the_threads(redis_server: RedisServer,
     assert writer.flush(timeout=30) is True
     assert writer.backlog() == 0
     writer.stop()
-    assert drain(writer.lost) == [stolen]
+    assert drain(writer.lost) == [(stolen, 1)]
     assert drain(writer.finished) == [mine, stolen]
     events = events_of(redis_server, "j0")
     kinds = [e["type"] for e in events]  # (1-3 tokens events: steps may have merged)
