@@ -25,6 +25,7 @@ from typing import Any
 
 from celery import Celery
 
+from producer.cli import add_redis_args
 from producer.client import Client, JobError
 from producer.protocol import DEFAULT_PREFIX, ProtocolError
 
@@ -92,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--broker", required=True, help="Celery broker URL (redis://...)")
     p.add_argument("--backend", default=None,
                    help="Celery result backend URL (default: the broker URL)")
-    p.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"),
-                   help="genq's Redis URL (env GENQ_REDIS)")
-    p.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX))
+    add_redis_args(p, "genq's Redis")
     p.add_argument("--queue", default="celery", help="the Celery queue to consume")
     p.add_argument("--concurrency", type=int, default=64,
                    help="jobs in flight (threads, each waiting on one job)")

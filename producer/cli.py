@@ -24,6 +24,7 @@ from producer.protocol import (
     ProtocolError,
     as_str,
     decode_heartbeat,
+    validate_name,
 )
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -64,11 +65,35 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def add_redis_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"),
-                        help="Redis URL (env GENQ_REDIS)")
-    parser.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX),
-                        help="key prefix (env GENQ_PREFIX)")
+def redis_url(value: str) -> str:
+    """argparse type: a URL redis-py can connect to (a usage error now, not a traceback later)."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None  # (no echo: it may hold a password)
+    return value
+
+
+def key_prefix(value: str) -> str:
+    """argparse type: a valid key prefix."""
+    try:
+        validate_name(value, "key prefix")
+    except ProtocolError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return value
+
+
+def add_redis_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                   what: str = "Redis") -> None:
+    parser.add_argument("--redis", type=redis_url,
+                        default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"),
+                        help=f"{what} URL (env GENQ_REDIS; default: redis://127.0.0.1:6379/0)")
+    parser.add_argument("--prefix", type=key_prefix,
+                        default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX),
+                        help="key prefix shared by the fleet's producers and workers (env "
+                             "GENQ_PREFIX; default: %(default)s)")
 
 
 def add_limit_args(parser: argparse.ArgumentParser, who: str) -> None:

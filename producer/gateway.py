@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -41,7 +40,7 @@ from redis import ConnectionError as RedisConnectionError
 from redis import TimeoutError as RedisTimeoutError
 
 from producer import openai_schema as oa
-from producer.cli import add_limit_args, limits_from_args
+from producer.cli import add_limit_args, add_redis_args, limits_from_args
 from producer.client import make_job_spec
 from producer.gateway_fleet import (
     FleetView,
@@ -341,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     p = argparse.ArgumentParser(prog="genq gateway", description="OpenAI-compatible gateway")
-    p.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX))
+    add_redis_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue-depth", type=int, default=GatewayConfig.max_queue_depth)

@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from producer.cli import add_limit_args, limits_from_args
-from producer.protocol import DEFAULT_PREFIX
+from producer.cli import add_limit_args, add_redis_args, limits_from_args
 from worker.config import WorkerConfig
 from worker.metrics import MetricsServer, Registry
 
@@ -34,11 +33,7 @@ def tune_gc() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="genq worker", description=__doc__)
-    p.add_argument("--redis", default=os.environ.get("GENQ_REDIS", "redis://127.0.0.1:6379/0"),
-                   help="Redis URL (env GENQ_REDIS; default: %(default)s)")
-    p.add_argument("--prefix", default=os.environ.get("GENQ_PREFIX", DEFAULT_PREFIX),
-                   help="key prefix shared with producers (env GENQ_PREFIX; default: "
-                        "%(default)s)")
+    add_redis_args(p)
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--served-model-name", default=None,
                    help="name jobs route by (default: the model directory's basename)")

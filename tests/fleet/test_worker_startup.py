@@ -50,6 +50,23 @@ def test_a_command_that_cannot_reach_redis_says_so_in_one_line(command: list[str
         "GENQ_REDIS?\n")
 
 
+@pytest.mark.parametrize("command", [["submit", "hi", "--model", "m"], ["status"],
+                                     ["bench", "--model", "m"], ["worker", "--model", "m"],
+                                     ["gateway"]])
+@pytest.mark.parametrize("flag, value, error", [
+    ("--redis", "localhost:6379", "argument --redis: Redis URL must specify one of the "
+                                  "following schemes (redis://, rediss://, unix://)"),
+    ("--prefix", "a b", "argument --prefix: key prefix 'a b' must be 1-128 characters from "
+                        "[A-Za-z0-9_.:-]"),
+])
+def test_a_bad_redis_url_or_prefix_is_a_usage_error_not_a_traceback(
+        command: list[str], flag: str, value: str, error: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "producer.cli", *command, flag, value],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr.splitlines()[-1] == f"genq {command[0]}: error: {error}"
+
+
 def test_status_counts_only_consumers_whose_worker_is_alive(redis_server: RedisServer) -> None:
     """A dead worker stays a consumer of its group until a reclaim pass deletes it: `genq
     status` counts the consumers with a live heartbeat."""
