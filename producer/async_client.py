@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -15,6 +15,7 @@ from producer.client import (
     BLOCK_MS,
     DEFAULT_URL,
     ClientSettings,
+    JobError,
     Messages,
     Prompt,
     ResultExpired,
@@ -24,6 +25,7 @@ from producer.client import (
 from producer.protocol import (
     REPLY_FIELD,
     SUBMIT_LUA,
+    as_str,
     decode_event,
 )
 from producer.replies import ReplyDeduper
@@ -50,7 +52,51 @@ class AsyncClient(ClientSettings):
         spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
         keys, args = self.submit_call(spec)
         entry_id = await self._submit_script(keys=keys, args=args)
-        return AsyncJob(self, spec.id, model, created=entry_id is not None)
+        return AsyncJob(self, spec.id, model, created=entry_id is not None,
+                        entry_id=None if entry_id is None else as_str(entry_id))
+
+    async def submit_many(self, prompts: Sequence[str | Sequence[int]],
+                          params: dict[str, Any] | None = None, *, model: str,
+                          stream: bool = True) -> list[AsyncJob]:
+        """Client.submit_many's mirror: many jobs in one pipelined round trip (fresh ids)."""
+        specs = [make_job_spec(p, params, model, None, None, stream) for p in prompts]
+        pipe = self.redis.pipeline(transaction=False)
+        for spec in specs:
+            keys, args = self.submit_call(spec)
+            await self._submit_script(keys=keys, args=args, client=pipe)
+        ids = await pipe.execute()
+        return [AsyncJob(self, spec.id, model, created=eid is not None,
+                         entry_id=None if eid is None else as_str(eid))
+                for spec, eid in zip(specs, ids, strict=True)]
+
+    async def results(self, jobs: Sequence[AsyncJob], timeout: float | None = 60.0, *,
+                      return_exceptions: bool = False, concurrency: int = 64) -> list[Any]:
+        """Client.results' mirror: every job's result, in order; a failed job raises its
+        JobError once all have ended (the first in order), or with `return_exceptions` takes
+        its place (as does a TimeoutError for each job unfinished at `timeout`). At most
+        `concurrency` reply streams are read at once (each read holds a connection)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(job: AsyncJob) -> Any:
+            async with gate:
+                left = None if end is None else max(0.001, end - time.monotonic())
+                try:
+                    return await job.result(timeout=left)
+                except (JobError, TimeoutError) as exc:
+                    return exc
+
+        out = await asyncio.gather(*(one(job) for job in jobs))
+        if not return_exceptions:
+            for value in out:
+                if isinstance(value, TimeoutError):
+                    raise TimeoutError(f"{sum(isinstance(v, TimeoutError) for v in out)} of "
+                                       f"{len(jobs)} job(s) had no terminal event within "
+                                       f"{timeout} s")
+            for value in out:
+                if isinstance(value, JobError):
+                    raise value
+        return out
 
     def job(self, job_id: str, model: str = "") -> AsyncJob:
         return AsyncJob(self, job_id, model, created=False)
@@ -73,11 +119,13 @@ class AsyncClient(ClientSettings):
 
 
 class AsyncJob:
-    def __init__(self, client: AsyncClient, job_id: str, model: str, created: bool) -> None:
+    def __init__(self, client: AsyncClient, job_id: str, model: str, created: bool,
+                 entry_id: str | None = None) -> None:
         self.client = client
         self.id = job_id
         self.model = model
         self.created = created
+        self.entry_id = entry_id  # the job-stream entry (its ms part is the enqueue time)
         self.reply_key = client.keys.reply(job_id)
 
     def __repr__(self) -> str:

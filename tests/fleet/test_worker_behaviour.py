@@ -188,6 +188,33 @@ def test_async_client_streams_a_real_job(server: RedisServer, worker: WorkerProc
     assert async_result["outputs"] == sync_result["outputs"]
 
 
+def test_async_submit_many_and_results_mirror_the_sync_client(server: RedisServer,
+                                                              worker: WorkerProcess) -> None:
+    prompts = ["the quick brown", "a b c", "hello there"]
+    params = {"temperature": 0, "max_tokens": 5}
+
+    async def scenario() -> tuple[list[Any], list[Any], list[Any]]:
+        async with AsyncClient(server.url) as client:
+            jobs = await client.submit_many(prompts, params, model="tiny")
+            assert all(j.created and j.entry_id is not None for j in jobs)
+            results = await client.results(jobs, timeout=60)
+            bad = [await client.submit("x", {"max_tokens": 4001}, model="tiny"), jobs[0]]
+            mixed = await client.results(bad, timeout=60, return_exceptions=True)
+            with pytest.raises(JobError) as exc:
+                await client.results(bad, timeout=60)
+            assert exc.value.code == "limit_exceeded"
+            return results, mixed, [j.id for j in jobs]
+
+    results, mixed, ids = asyncio.run(scenario())
+    sync = Client(server.url)
+    expected = sync.results(sync.submit_many(prompts, params, model="tiny"), timeout=60)
+    assert [r["outputs"] for r in results] == [r["outputs"] for r in expected]
+    assert isinstance(mixed[0], JobError) and mixed[0].code == "limit_exceeded"
+    assert mixed[1]["outputs"] == results[0]["outputs"]
+    assert [sync.job(i).result(timeout=5)["outputs"] for i in ids] == \
+        [r["outputs"] for r in results]
+
+
 BAD_JOBS: list[tuple[str, dict[str, Any], str]] = [
     ("unknown param", {"params": {"temprature": 0}}, "unknown_field"),
     ("wrong type", {"params": {"max_tokens": "4"}}, "wrong_type"),
