@@ -67,7 +67,11 @@ class Admission:
             spec, attempt_base = decode_job_entry(fields, self.cfg.limits.max_job_bytes)
         except ProtocolError as exc:
             reply = self.keys.reply(exc.job_id) if exc.job_id else None
-            return Rejection(entry_id, deliveries, deliveries, reply, exc.code, exc.message,
+            # (the attempt the client counts: a handed-back job's entry carries its base)
+            a = fields.get(b"a", b"")
+            base = int(a) if isinstance(a, bytes) and a.isdigit() and len(a) <= 9 else 0
+            return Rejection(entry_id, deliveries, base + deliveries, reply, exc.code,
+                             exc.message,
                              dead=reply is None or deliveries > self.cfg.max_attempts,
                              raw_job=raw_job,
                              idem_key=self.keys.idem(exc.job_id) if exc.job_id else None)

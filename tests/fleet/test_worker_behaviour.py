@@ -246,6 +246,20 @@ def test_bad_input_gets_an_error_event_with_a_reason(server: RedisServer, worker
     assert worker.alive()
 
 
+def test_a_handed_back_job_that_fails_to_decode_answers_in_its_current_attempt(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    """A job handed back after attempt 2 (entry field a=2) whose payload this worker refuses:
+    its error event is attempt 3, so a client that saw attempt 2 does not drop it as stale."""
+    job_id = f"bad-{next(_ids)}"
+    job = {**raw_job(job_id), "colour": "red"}  # (an unknown field: decoding refuses it)
+    xadd_raw(server, {"v": b"1", "job": msgpack.packb(job), "a": b"2"})
+    end = wait_for(lambda: terminal(server, job_id), timeout=30, what="the error event")
+    assert (end["type"], end["code"], end["attempt"]) == ("error", "unknown_field", 3)
+    with pytest.raises(JobError) as exc:
+        Client(server.url).job(job_id).result(timeout=5)
+    assert exc.value.code == "unknown_field"
+
+
 @pytest.mark.parametrize("fields, code", [
     ({"v": b"1", "job": b"\xc1 not msgpack"}, "malformed"),
     ({"v": b"1", "job": msgpack.packb(raw_job("has space"))}, "bad_id"),
