@@ -8,6 +8,8 @@ It also refreshes the TTL of the job stream it serves, so that stream lives whil
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +17,7 @@ from typing import Any
 
 import redis
 
-from producer.protocol import encode_heartbeat
+from producer.protocol import ProtocolError, decode_heartbeat, encode_heartbeat
 
 log = logging.getLogger("genq.worker")
 
@@ -63,3 +65,31 @@ class Heartbeat(threading.Thread):
                 self.conn.delete(self.key)
             except (redis.ConnectionError, redis.TimeoutError):
                 pass
+
+
+def name_in_use(conn: redis.Redis, key: str, me: str) -> str | None:
+    """Another live worker with this --name (heartbeat `key`): both would run, and fence, each
+    other's jobs as their own. On this host with its process alive: a message (the caller
+    refuses to start); on another host it cannot be told from this worker's own previous run
+    within its heartbeat TTL: a warning."""
+    try:
+        raw = conn.get(key)
+        info = decode_heartbeat(raw) if isinstance(raw, bytes) else {}
+    except (redis.ConnectionError, redis.TimeoutError, ProtocolError):
+        return None
+    pid, host = info.get("pid"), info.get("host")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return None
+    if host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None  # this worker's previous run, dead: its jobs are this run's
+        except PermissionError:
+            pass  # alive, another user's
+        return (f"another worker named {me!r} is running on this host (pid {pid}): two "
+                "workers with one name would take each other's jobs; give each its own --name "
+                "(e.g. one per GPU)")
+    log.warning("a worker named %r on host %s (pid %s) has a live heartbeat: if it is not this "
+                "worker's previous run, give each worker its own --name", me, host, pid)
+    return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -26,7 +27,7 @@ from producer.protocol import Keys, encode_event, error_event, started_event
 from worker.admission import Admission, Admitted, Rejection, free_capacity
 from worker.cancel import CancelListener
 from worker.config import WorkerConfig
-from worker.heartbeat import Heartbeat
+from worker.heartbeat import Heartbeat, name_in_use
 from worker.io_thread import Batch, EventWrite, FinishWrite, Writer
 from worker.jobs import ActiveJob, terminal_event, token_events
 from worker.metrics import MetricsServer, WorkerMetrics
@@ -39,6 +40,7 @@ log = logging.getLogger("genq.worker")
 _FINAL_FLUSH_S = 15.0
 _MAX_EARLY_CANCELS = 10_000
 _BUSY_BLOCK_MS = 2
+EXIT_NAME_IN_USE = 4  # genq worker's exit status when its --name is taken on this host
 
 
 class Worker:
@@ -96,6 +98,10 @@ class Worker:
         if not self.reader.ensure_group(wait=True, stop=self.stop_requested):
             log.info("worker %s stopped before Redis answered; it held no jobs", self.me)
             return 0
+        clash = name_in_use(self.conn, self.keys.worker(self.me), self.me)
+        if clash:
+            log.critical("%s", clash)
+            return EXIT_NAME_IN_USE
         self._stats = self.engine.stats()
         if self.cfg.metrics_port:
             if self.metrics_server is None:
@@ -434,7 +440,8 @@ class Worker:
     def _heartbeat_info(self) -> dict[str, Any]:
         stats = self._stats
         return {"model": self.cfg.served_model_name, "device": self.cfg.device,
-                "pid": os.getpid(), "capacity": self.max_num_seqs,
+                "pid": os.getpid(), "host": socket.gethostname(),
+                "capacity": self.max_num_seqs,
                 "held": len(self.jobs) + len(self.finishing),
                 "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
                 "swapped": stats.get("num_swapped", 0),

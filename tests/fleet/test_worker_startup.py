@@ -112,3 +112,26 @@ def test_status_shows_each_workers_prefix_cache_hit_rate(redis_server: RedisServ
         conn.set(keys.worker(name), encode_heartbeat({"model": "m", "ts": 0.0, **extra}), ex=60)
     assert {r["name"]: r["prefix_hits"] for r in worker_rows(conn, keys)} == {
         "cached": "25%", "plain": "off", "older": "off"}
+
+
+def test_a_second_worker_with_a_name_taken_on_this_host_refuses_to_start(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path) -> None:
+    """Two workers under one --name would each adopt the other's entries as their own
+    orphans and run every job twice; a restart after a crash (the old pid gone) is fine."""
+    from producer import Client
+    from tests.fleet.harness import wait_heartbeats
+
+    first = workers.start(redis_server.url, tiny_llama, "gpu0")
+    wait_heartbeats(redis_server, [first])
+    second = workers.start(redis_server.url, tiny_llama, "gpu0")
+    assert second.proc.wait(timeout=120) == 4
+    assert (f"another worker named 'gpu0' is running on this host (pid {first.pid}): two "
+            "workers with one name would take each other's jobs; give each its own --name "
+            "(e.g. one per GPU)") in second.output()
+    assert first.alive()
+    first.kill9()  # its heartbeat lives on (TTL), its pid is gone: a restart is no clash
+    again = workers.start(redis_server.url, tiny_llama, "gpu0")
+    result = Client(redis_server.url).submit("hi", {"temperature": 0, "max_tokens": 3},
+                                             model="tiny").result(timeout=120)
+    assert len(result["outputs"][0]["token_ids"]) == 3
+    assert again.alive() and "another worker" not in again.output()
