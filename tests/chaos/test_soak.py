@@ -176,8 +176,10 @@ class Fleet:
 
     def kill_and_restart(self, name: str) -> None:
         self.wait_holding(name, 3)
+        held = len(self.pending(name))  # (just before: what the kill catches in flight)
         self.procs[name].kill9()
         self.figures["worker kills (-9)"] += 1
+        self.figures["jobs held by killed workers"] += held
         self.procs[name] = self._start(name)  # same name: it re-reads its own pending entries
         self.figures["worker restarts"] += 1
 
@@ -380,6 +382,9 @@ def test_soak_with_faults_loses_and_duplicates_nothing(
         assert duplicated == 0
         assert len(records) >= 100 and finals["done"] + finals["cancelled"] == len(records)
         assert reclaims >= len(paused_attempts) >= 1
+        # The kills caught jobs in flight (the checks above then cover their replays)
+        assert fleet.figures["worker kills (-9)"] >= 1  # (SCHEDULE has kills)
+        assert fleet.figures["jobs held by killed workers"] >= 1
     finally:
         stop.set()
         for t in threads:

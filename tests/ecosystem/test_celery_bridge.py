@@ -150,6 +150,15 @@ def test_the_bridge_refuses_pickled_tasks(redis_url: str) -> None:
     with pytest.raises(CeleryTimeoutError):  # refused unread: no result ever comes
         result.get(timeout=3)
     assert result.state == "PENDING"
+    # The same task as json, sent after it, runs: the bridge was consuming all along; the
+    # pickled one never became a genq job (no idempotency key under its task id).
+    ok = celery_app(redis_url, "json").send_task(
+        "genq.generate", kwargs={"prompt": PROMPT, "model": "tiny",
+                                 "params": {"temperature": 0, "max_tokens": 2}})
+    assert len(ok.get(timeout=120)["outputs"][0]["token_ids"]) == 2
+    conn = redis.Redis.from_url(redis_url)
+    assert conn.exists(f"genq:idem:{ok.id}") == 1
+    assert conn.exists(f"genq:idem:{result.id}") == 0
 
 
 def test_a_task_whose_bridge_died_is_delivered_again_and_attaches_to_the_running_job(

@@ -147,6 +147,9 @@ def test_abort_all_recovers_from_a_step_that_raised_inside_the_scheduler(tiny_ll
     engine.scheduler._plan = broken_plan  # the slow path, after the fast path took r0 and r1
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
+    for i in range(3):  # abort() finds them in no queue: their blocks stay taken
+        engine.abort(f"r{i}")
+    assert not engine.has_unfinished()
     assert engine.stats()["num_free_blocks"] < engine.stats()["num_total_blocks"]
     engine.abort_all()
     assert_drained(engine)

@@ -81,10 +81,9 @@ def test_shared_prefixes_match_transformers_and_no_cache(bs, chunked, tiny_llama
     stats = cached.stats()
     assert stats["num_prompt_tokens"] == sum(map(len, prompts))
     # The first prompt cached its 2 full blocks (the prefix to 2 * bs); the second batch hits
-    # them all 5 times, and the prompt that is wholly those blocks still runs its last token.
-    # (The whole-prefill budget admits the batch in one step: it cannot hit its own blocks.)
-    if not chunked:
-        assert stats["num_cached_tokens"] == 5 * 2 * bs - 1
+    # them all 5 times, and the prompt that is wholly those blocks still runs its last token
+    # (chunked or not: the batch cannot hit its own blocks in either).
+    assert stats["num_cached_tokens"] == 5 * 2 * bs - 1
     assert plain.stats()["num_cached_tokens"] == 0
     assert plain.stats()["num_cached_blocks"] == 0
     assert_drained(cached)
@@ -327,7 +326,7 @@ def test_forks_and_seeded_sampling_are_unchanged_by_prefix_caching(kind, preempt
 
 
 @pytest.mark.parametrize("flag,expected", [
-    ([], EngineConfig.enable_prefix_caching),
+    ([], False),  # (off by default: README, Benchmarks)
     (["--enable-prefix-caching"], True),
     (["--no-enable-prefix-caching"], False)])
 def test_genq_worker_passes_its_flag_to_the_engine(flag, expected, tiny_llama):

@@ -189,7 +189,6 @@ def test_metrics_count_exactly_what_the_worker_did(
     assert idle.get("genq_engine_prefix_cache_hit_tokens_total") == 0  # (caching is off)
     assert idle.get("genq_engine_swaps_total", direction="out") == 0
     assert idle.get("genq_engine_swaps_total", direction="in") == 0
-    assert idle.get("genq_worker_generated_tokens_per_second") >= 0
     assert proc.terminate() == 0
 
 
@@ -202,9 +201,9 @@ def test_rendering_is_the_text_format_exactly() -> None:
     for value in (0.05, 0.1, 0.5, 3.0):
         h.observe(value)
     reg.gauge("g", "a gauge").set(-1.5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="x_total: a counter only goes up"):
         c.inc(-1, k="v")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"x_total takes labels \('k',\), got \[\]"):
         c.inc(1)  # the label is missing
     labels = 'model="a\\"b\\\\c\\nd"'
     assert reg.render() == "\n".join([

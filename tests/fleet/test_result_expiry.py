@@ -6,6 +6,7 @@ waited for."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,8 +72,9 @@ def test_a_job_that_has_not_run_is_still_waited_for(server: RedisServer,
                                                     worker: WorkerProcess) -> None:
     client = Client(server.url)
     queued = client.submit("nobody serves this", PARAMS, model="unserved")
-    with pytest.raises(TimeoutError):
-        queued.result(timeout=2.5)
-    with pytest.raises(TimeoutError):
-        client.results([queued], timeout=2.5)
+    for wait in (lambda: queued.result(timeout=2.5), lambda: client.results([queued], 2.5)):
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            wait()
+        assert time.monotonic() - start >= 2.5  # it waited its timeout out: no early give-up
     assert server.client().get(KEYS.idem(queued.id)) == b"1"

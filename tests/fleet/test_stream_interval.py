@@ -5,6 +5,7 @@ and end on the interval's boundaries, which is what these tests check of the raw
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -122,16 +123,26 @@ def test_a_sequence_that_ends_early_sends_its_rest_when_it_ends(
     assert later and last_short < min(later), order
 
 
-def test_logprobs_travel_with_their_tokens(server: RedisServer, worker: WorkerProcess) -> None:
-    job = Client(server.url).submit("the quick brown", {"temperature": 0, "max_tokens": 7,
-                                                        "ignore_eos": True, "logprobs": 2},
-                                    model="tiny")
+def test_logprobs_travel_with_their_tokens(server: RedisServer, worker: WorkerProcess,
+                                          tiny_llama: Path) -> None:
+    from engine import LLM, SamplingParams
+
+    params = {"temperature": 0, "max_tokens": 7, "ignore_eos": True, "logprobs": 2}
+    job = Client(server.url).submit("the quick brown", params, model="tiny")
     result = job.result(timeout=60)
     done = result["outputs"][0]["logprobs"]
-    assert len(done) == 7
     pieces = [e for e in reply_events(server, job.id) if e["type"] == "tokens"]
     assert [p for e in pieces for p in e["logprobs"]] == done
     assert all(len(e["logprobs"]) == len(e["token_ids"]) for e in pieces)
+    # ... and they are the offline engine's (to float noise: another batch, other shapes)
+    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=256, swap_space=0.01,
+              num_threads=1)
+    [want] = llm.generate(["the quick brown"], SamplingParams.from_dict(params), use_tqdm=False)
+    expected = want.outputs[0].logprobs
+    assert expected is not None and len(done) == len(expected) == 7
+    for got, top in zip(done, expected, strict=True):
+        assert sorted(t for t, *_ in got) == sorted(top)
+        assert all(math.isclose(lp, top[t], rel_tol=1e-5, abs_tol=1e-6) for t, lp, *_ in got)
 
 
 def test_a_stream_interval_below_one_is_refused_before_anything_loads(

@@ -85,7 +85,8 @@ def test_capacity_4_never_holds_more_than_4_pending_entries(server: RedisServer,
                           model="tiny") for i in range(12)]
     conn = server.client()
     most = 0
-    while any(terminal(server, job.id) is None for job in jobs):
+    end = time.monotonic() + 300
+    while any(terminal(server, job.id) is None for job in jobs) and time.monotonic() < end:
         for c in conn.xinfo_consumers(JOBS_KEY, "workers"):
             most = max(most, int(c["pending"]))
         time.sleep(0.005)

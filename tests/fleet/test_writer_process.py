@@ -74,7 +74,7 @@ def test_a_writer_process_that_dies_is_the_workers_error(redis_server: RedisServ
     assert str(err.value.__cause__) == "the writer process exited with status -9"
     writer.submit(Batch(events=[EventWrite(entry, 1, KEYS.reply("j0"),
                                            [started_event(1, "me")])]))  # no raise here
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="the writer process failed; stopping the worker"):
         writer.flush(timeout=5)  # the error, not a hang
     writer.stop()
 

@@ -89,4 +89,5 @@ def test_swap_preemption_on_cuda_keeps_greedy_output(llama_head64: Path) -> None
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = tight.stats()
     assert stats["num_preemptions"] > 0
+    assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] == stats["num_swap_outs"]
     assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -58,21 +58,41 @@ def test_the_async_client_completes_a_job_over_tls(
         oracle(["jumps over"], GREEDY)[0]
 
 
-def test_plain_tcp_is_refused(tls_fleet: tuple[SecureRedis, WorkerProcess]) -> None:
-    server, _ = tls_fleet
-    conn = redis.Redis(port=server.port, password=ADMIN_PASSWORD, protocol=2, retry=None,
-                       socket_timeout=5)
-    with pytest.raises(redis.ConnectionError):
+def tls_connection(server: SecureRedis, certs: Certs, **overrides: object) -> redis.Redis:
+    settings: dict[str, object] = dict(
+        port=server.port, password=ADMIN_PASSWORD, protocol=2, retry=None, socket_timeout=5,
+        ssl=True, ssl_ca_certs=str(certs.ca), ssl_certfile=str(certs.client_cert),
+        ssl_keyfile=str(certs.client_key))
+    settings.update(overrides)
+    return redis.Redis(**{k: v for k, v in settings.items() if v is not None})  # type: ignore
+
+
+def refused(conn: redis.Redis) -> redis.ConnectionError:
+    """The connection error of a PING (not a wrong password: AuthenticationError is a kind of
+    ConnectionError in redis-py)."""
+    with pytest.raises(redis.ConnectionError) as err:
         conn.ping()
+    assert not isinstance(err.value, redis.AuthenticationError)
+    return err.value
+
+
+def test_the_same_connection_with_tls_and_a_client_certificate_answers(
+        tls_fleet: tuple[SecureRedis, WorkerProcess], certs: Certs) -> None:
+    server, _ = tls_fleet
+    assert tls_connection(server, certs).ping() is True
+
+
+def test_plain_tcp_is_refused(tls_fleet: tuple[SecureRedis, WorkerProcess],
+                              certs: Certs) -> None:
+    server, _ = tls_fleet
+    refused(tls_connection(server, certs, ssl=None, ssl_ca_certs=None, ssl_certfile=None,
+                           ssl_keyfile=None))
 
 
 def test_a_client_without_a_certificate_is_refused(
         tls_fleet: tuple[SecureRedis, WorkerProcess], certs: Certs) -> None:
     server, _ = tls_fleet
-    conn = redis.Redis(port=server.port, password=ADMIN_PASSWORD, protocol=2, retry=None,
-                       socket_timeout=5, ssl=True, ssl_ca_certs=str(certs.ca))
-    with pytest.raises(redis.ConnectionError):
-        conn.ping()
+    refused(tls_connection(server, certs, ssl_certfile=None, ssl_keyfile=None))
 
 
 def test_a_server_not_signed_by_the_trusted_ca_is_refused(
