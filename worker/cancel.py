@@ -9,10 +9,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Collection
 
 import redis
 
+from producer.protocol import Keys
+
 log = logging.getLogger("genq.worker")
+_MAX_EARLY = 10_000  # cancels remembered for jobs not held (yet)
+_EARLY_KEEP_S = 60.0
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
 
 
 class CancelListener(threading.Thread):
@@ -48,3 +55,46 @@ class CancelListener(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=5)
+
+
+class Cancels:
+    """Which held jobs to cancel now: ids from the listener, plus a sweep of the held jobs'
+    cancel keys every `poll_interval` (pub/sub can miss a message). Cancels of jobs this
+    worker does not hold are kept a while (`early`): the job may be in a read on its way in."""
+
+    def __init__(self, listener: CancelListener, conn: redis.Redis, keys: Keys,
+                 poll_interval: float) -> None:
+        self.listener = listener
+        self.conn = conn
+        self.keys = keys
+        self.poll_interval = poll_interval
+        self.early: dict[str, float] = {}  # job id -> when its cancel was heard
+        self._next_sweep = 0.0
+
+    def due(self, held: Collection[str]) -> list[str]:
+        """The ids of `held` (job ids) cancelled since the last call; the others heard of are
+        remembered in `early`."""
+        ids: set[str] = set()
+        while not self.listener.cancelled.empty():
+            ids.add(self.listener.cancelled.get())
+        now = time.monotonic()
+        if held and now >= self._next_sweep:
+            self._next_sweep = now + self.poll_interval
+            ids |= self._swept(list(held))
+        due = [job_id for job_id in ids if job_id in held]
+        for job_id in ids.difference(due):
+            self.early[job_id] = now
+        early = self.early
+        if len(early) > _MAX_EARLY or (early and now - next(iter(early.values())) > _EARLY_KEEP_S):
+            self.early = {k: t for k, t in early.items() if now - t < _EARLY_KEEP_S}
+        return due
+
+    def _swept(self, job_ids: list[str]) -> set[str]:
+        try:
+            pipe = self.conn.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.exists(self.keys.cancel(job_id))
+            flags = pipe.execute()
+        except _RETRYABLE:
+            return set()
+        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}

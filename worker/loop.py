@@ -25,7 +25,7 @@ import redis
 from engine.outputs import RequestOutput
 from producer.protocol import Keys, encode_event, error_event, started_event
 from worker.admission import Admission, Admitted, Rejection, free_capacity
-from worker.cancel import CancelListener
+from worker.cancel import CancelListener, Cancels
 from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat, name_in_use
 from worker.io_thread import Batch, EventWrite, FinishWrite, Writer
@@ -38,7 +38,6 @@ from worker.writer_process import WriterProcess
 
 log = logging.getLogger("genq.worker")
 _FINAL_FLUSH_S = 15.0
-_MAX_EARLY_CANCELS = 10_000
 _BUSY_BLOCK_MS = 2
 EXIT_NAME_IN_USE = 4  # genq worker's exit status when its --name is taken on this host
 
@@ -74,11 +73,12 @@ class Worker:
                                    cfg.heartbeat_interval, self._heartbeat_info, self.jobs_key,
                                    cfg.stream_ttl,
                                    sample=self.metrics.sample if cfg.metrics_port else None)
-        self.cancels = CancelListener(cfg.redis_url, self.keys.cancel_channel)
+        self.cancel_listener = CancelListener(cfg.redis_url, self.keys.cancel_channel)
+        self.cancels = Cancels(self.cancel_listener, self.conn, self.keys,
+                               cfg.cancel_poll_interval)
         self.jobs: dict[str, ActiveJob] = {}  # entry id -> the attempt running in the engine
         self.by_job_id: dict[str, str] = {}  # job id -> entry id
         self.finishing: set[str] = set()  # entries whose finish write is with the writer
-        self.early_cancels: dict[str, float] = {}  # job id -> when its cancel was published
         self.stop_requested = threading.Event()
         self.counters = {"admitted": 0, "completed": 0, "rejected": 0, "reclaimed": 0,
                          "lost": 0, "cancelled": 0, "handed_back": 0, "engine_failures": 0,
@@ -86,7 +86,6 @@ class Worker:
         self.quarantine = Quarantine(self)  # engine.step() raised: find the job(s) at fault
         self._stats: dict[str, Any] = {}
         self._next_reclaim = 0.0
-        self._next_cancel_sweep = 0.0
         self._drain_end: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -115,7 +114,7 @@ class Worker:
             self.heartbeat.beat()
         except RETRYABLE as exc:  # the heartbeat thread keeps trying
             log.warning("first heartbeat failed: %s", exc)
-        for thread in (self.heartbeat, self.cancels, self.writer):
+        for thread in (self.heartbeat, self.cancel_listener, self.writer):
             thread.start()
         log.info("worker %s serving %s on %s", self.me, self.cfg.served_model_name,
                  self.cfg.device)
@@ -160,7 +159,7 @@ class Worker:
             self.writer.abandon()
         else:
             self.writer.stop()
-        self.cancels.stop()
+        self.cancel_listener.stop()
         self.heartbeat.stop(delete=True)
         if self.metrics_server is not None:
             self.metrics_server.stop()
@@ -250,7 +249,7 @@ class Worker:
         decided = [self.admission.admit(eid, fields, n) for eid, fields, n in entries]
         # Cancels published before the job reached us (no Redis round trip here: a cancel whose
         # publish we missed is found by the next key sweep, within cancel_poll_interval).
-        cancelled = set(self.early_cancels)
+        cancelled = self.cancels.early
         batch = Batch()
         for d in decided:
             prev = self.jobs.get(d.job.entry_id if isinstance(d, Admitted) else d.entry_id)
@@ -401,41 +400,17 @@ class Worker:
                 self._drop_lost(job, f"delivered again since (delivery {deliveries})")
 
     def _apply_cancels(self) -> None:
-        ids: set[str] = set()
-        while not self.cancels.cancelled.empty():
-            ids.add(self.cancels.cancelled.get())
-        now = time.monotonic()
-        if self.jobs and now >= self._next_cancel_sweep:
-            self._next_cancel_sweep = now + self.cfg.cancel_poll_interval
-            ids |= self._cancelled_ids(list(self.by_job_id))
-        for job_id in ids:
-            entry_id = self.by_job_id.get(job_id)
-            if entry_id is not None and entry_id in self.jobs:
+        for job_id in self.cancels.due(self.by_job_id):
+            entry_id = self.by_job_id[job_id]
+            if entry_id in self.jobs:
                 self.counters["cancelled"] += 1
                 self._end_early(self.jobs[entry_id], "cancelled", "cancelled by the client")
-            else:
-                self.early_cancels[job_id] = now
-        if len(self.early_cancels) > _MAX_EARLY_CANCELS or (
-                self.early_cancels and now - next(iter(self.early_cancels.values())) > 60):
-            self.early_cancels = {k: t for k, t in self.early_cancels.items() if now - t < 60}
 
     def _expire_deadlines(self) -> None:
         now = time.time()
         for job in [j for j in self.jobs.values()
                     if j.spec.deadline is not None and j.spec.deadline <= now]:
             self._end_early(job, "deadline_exceeded", "the job's deadline passed while it ran")
-
-    def _cancelled_ids(self, job_ids: list[str]) -> set[str]:
-        if not job_ids:
-            return set()
-        try:
-            pipe = self.conn.pipeline(transaction=False)
-            for job_id in job_ids:
-                pipe.exists(self.keys.cancel(job_id))
-            flags = pipe.execute()
-        except RETRYABLE:
-            return set()
-        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
 
     def _heartbeat_info(self) -> dict[str, Any]:
         stats = self._stats
