@@ -15,7 +15,7 @@ _WORDS = ("the quick brown fox jumps over a lazy dog while redis streams carry t
           "worker in the fleet and the engine batches requests continuously").split()
 _EXTRA = ["héllo", "naïve", "日本語", "café", "über", "🙂", "😀", "ß", "π", "→"]
 
-ARCHS = ("llama", "llama_mha_untied", "llama3_rope", "qwen2", "mistral", "gpt2")
+ARCHS = ("llama", "llama_mha_untied", "llama3_rope", "llama_biases", "qwen2", "mistral", "gpt2")
 
 
 def corpus(num_lines: int = 400, seed: int = 0) -> list[str]:
@@ -57,6 +57,8 @@ def model_config(arch: str, vocab_size: int = VOCAB_SIZE):  # -> transformers.Pr
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
                 "rope_theta": 500000.0}
         return LlamaConfig(**llama, tie_word_embeddings=False, rope_parameters=rope)
+    if arch == "llama_biases":  # attention_bias (q/k/v and o_proj) and mlp_bias
+        return LlamaConfig(**llama, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
     if arch == "qwen2":
         return Qwen2Config(**llama, tie_word_embeddings=True, use_sliding_window=False)
     if arch == "mistral":
@@ -78,8 +80,10 @@ def build_model(arch: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> Pa
     model = AutoModelForCausalLM.from_config(model_config(arch, vocab), dtype=torch.float32)
     # Random init is close to uniform; sharpen it so greedy decoding is not a coin toss on ties.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             p.mul_(3.0) if p.dim() > 1 else None
+            if arch == "llama_biases" and name.endswith("bias"):  # (0 at init: no effect)
+                p.normal_(0.0, 0.5)
     model.save_pretrained(str(path))
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, path / f.name)

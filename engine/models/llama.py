@@ -33,7 +33,9 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qk_size = q_size + kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        # (Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not)
+        o_bias = config.model_type == "llama" and bool(getattr(config, "attention_bias", False))
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
         self.scale = attention_scale(self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -53,8 +55,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        bias = config.model_type == "llama" and bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -116,20 +119,31 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                  "gate_up_proj": ("gate_proj", "up_proj")}
+        used: set[str] = set()
         for name, param in self.named_parameters():
             if name == "lm_head.weight" and (self.tie_word_embeddings
                                              or "lm_head.weight" not in tensors):
                 name = "model.embed_tokens.weight"
             parts = next(((k, v) for k, v in fused.items() if f".{k}." in name), None)
             if parts is None:
-                source = _take(tensors, name)
+                source = _take(tensors, name, used)
             else:
-                source = torch.cat([_take(tensors, name.replace(parts[0], p)) for p in parts[1]])
+                source = torch.cat([_take(tensors, name.replace(parts[0], p), used)
+                                    for p in parts[1]])
             with torch.no_grad():
                 param.copy_(source)
+        # A tensor left over is a weight this model would silently run without (a bias its
+        # config does not announce, a layer of another architecture): refuse, do not guess.
+        left = sorted(k for k in set(tensors) - used if not k.endswith("rotary_emb.inv_freq")
+                      and not (k == "lm_head.weight" and self.tie_word_embeddings))
+        if left:
+            raise ValueError(f"the checkpoint holds {len(left)} tensor(s) this Llama-family model "
+                             f"does not use (e.g. {', '.join(left[:3])}): its config.json does "
+                             "not describe these weights, or the architecture is another")
 
 
-def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def _take(tensors: dict[str, torch.Tensor], name: str, used: set[str]) -> torch.Tensor:
     if name not in tensors:
         raise ValueError(f"the checkpoint has no tensor {name!r}; is this a Llama-family model?")
+    used.add(name)
     return tensors[name]

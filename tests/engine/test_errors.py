@@ -160,3 +160,21 @@ def test_abort_all_recovers_from_a_step_that_raised_inside_the_scheduler(tiny_ll
         outs += engine.step()
     assert outs[-1].outputs[0].token_ids == hf_greedy(tiny_llama, [short[0]], 8)[0]
     assert_drained(engine)
+
+
+def test_a_checkpoint_tensor_the_model_would_not_use_is_refused(tiny_llama, tmp_path):
+    """A weight the config does not announce (here an o_proj bias with attention_bias off)
+    would be dropped silently and the outputs would differ from transformers: refused."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "extra"
+    shutil.copytree(tiny_llama, path)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"the checkpoint holds 1 tensor\(s\) this Llama-family "
+                       r"model does not use \(e.g. model.layers.0.self_attn.o_proj.bias\)"):
+        Engine(EngineConfig(model=str(path), swap_space=0.01))
