@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ class Engine:
         self.delta_outputs = config.output_kind == "delta"
         self.model = load_model(config.model, hf_config, config.dtype, self.device, limit)
         self.vocab_size = int(hf_config.vocab_size)
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
+        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, config.model)
         backend = select_backend(config, self.device, self.model.head_dim)  # type: ignore
         block_bytes = bytes_per_block(self.model.num_layers, config.block_size,  # type: ignore
                                       self.model.num_kv_heads, self.model.head_dim,  # type: ignore
@@ -372,10 +373,18 @@ class Engine:
         self._rejected.append(group)
 
 
-def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+def _eos_ids(hf_config: Any, tokenizer: Any, model_dir: str | None = None) -> set[int]:
+    """The ids that end a sequence: config.json's (else the tokenizer's), plus those of
+    generation_config.json, which transformers' generate() and vLLM stop on too (chat models
+    list their end-of-turn token there)."""
     ids = getattr(hf_config, "eos_token_id", None)
     if ids is None:
         ids = tokenizer.eos_token_id
-    if ids is None:
-        return set()
-    return set(ids) if isinstance(ids, list) else {int(ids)}
+    found = set() if ids is None else set(ids) if isinstance(ids, list) else {int(ids)}
+    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        extra = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        if extra is not None:
+            found |= set(extra) if isinstance(extra, list) else {int(extra)}
+    return found

@@ -74,3 +74,35 @@ def test_equal_length_prompts_prefilled_as_one_batch_match_transformers(arch, mo
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dirs[arch], prompts,
                                                                MAX_TOKENS)
+
+
+def test_generation_config_eos_ids_end_sequences_as_in_transformers(tiny_llama, tmp_path,
+                                                                    make_llm):
+    """Chat checkpoints list their end-of-turn token in generation_config.json (config.json
+    has only the base EOS): transformers' generate() stops on either, and so must the engine."""
+    import json
+    import shutil
+    from collections import Counter
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # The extra EOS: the token this model generates most (so that it ends sequences early)
+    free = hf_greedy(tiny_llama, PROMPTS, MAX_TOKENS)
+    eos_id = Counter(t for ids in free for t in ids if t != 1).most_common(1)[0][0]
+    path = tmp_path / "model"
+    shutil.copytree(tiny_llama, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    assert json.loads((path / "config.json").read_text())["eos_token_id"] == 1
+    (path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [1, eos_id]}))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
+                            max_new_tokens=MAX_TOKENS, do_sample=False,
+                            pad_token_id=2)[0, len(p):].tolist() for p in PROMPTS]
+    assert sum(ids[-1] == eos_id and len(ids) < MAX_TOKENS for ids in expected) >= 2
+    outs = make_llm(path).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                                   use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.outputs[0].finish_reason for o in outs] == [
+        "stop" if len(ids) < MAX_TOKENS or ids[-1] in (1, eos_id) else "length"
+        for ids in expected]
