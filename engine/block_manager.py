@@ -130,13 +130,15 @@ class BlockManager:
 
     def can_allocate(self, group: SequenceGroup,
                      hits: list[list[int]] | None = None) -> AllocStatus:
+        resumed = group.num_preemptions > 0
         if not hits or not any(hits):
-            return self.fit(self.blocks_to_allocate(group))
-        if self.blocks_to_allocate(group) > self.num_total_blocks - self.watermark_blocks:
+            return self.fit(self.blocks_to_allocate(group), resumed)
+        keep = 0 if resumed else self.watermark_blocks
+        if self.blocks_to_allocate(group) > self.num_total_blocks - keep:
             return AllocStatus.NEVER  # (as without the cache: it may be evicted)
         assert self.cache is not None  # (hits come from it)
         needed = self.cache.blocks_needed(group.live_seqs(), hits)
-        if self.device.num_free - needed >= self.watermark_blocks:
+        if self.device.num_free - needed >= keep:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -161,11 +163,15 @@ class BlockManager:
             self.cache.start_filling(seq, num_cached // self.block_size)
         return sum(cached)
 
-    def fit(self, needed: int) -> AllocStatus:
-        """Whether `needed` fresh device blocks fit: now, later, or never (the watermark kept)."""
-        if needed > self.num_total_blocks - self.watermark_blocks:
+    def fit(self, needed: int, resumed: bool = False) -> AllocStatus:
+        """Whether `needed` fresh device blocks fit: now, later, or never (the watermark kept).
+        A `resumed` group (preempted: it ran in these blocks, and a running group may grow
+        into the watermark) is judged against the whole cache, or it could end for lack of
+        room it had."""
+        keep = 0 if resumed else self.watermark_blocks
+        if needed > self.num_total_blocks - keep:
             return AllocStatus.NEVER
-        if self.device.num_free - needed >= self.watermark_blocks:
+        if self.device.num_free - needed >= keep:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -247,7 +253,7 @@ class BlockManager:
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         held = {b for s in group.live_seqs() for b in self.host_tables.get(s.seq_id, ())}
         # One spare block per sequence so the step after the swap-in can append.
-        return self.fit(len(held) + len(group.live_seqs()))
+        return self.fit(len(held) + len(group.live_seqs()), resumed=True)
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's blocks back to the device; returns (host, device) pairs to copy.

@@ -216,10 +216,12 @@ class Scheduler:
                 num_tokens = len(seq.token_ids)
                 remaining = num_tokens - seq.num_computed_tokens
                 num_blocks = bm.blocks_for(num_tokens)
-                fit = bm.fit(num_blocks)
-                if (chunked or remaining <= max_tokens) and fit is not AllocStatus.NEVER:
+                resumed = group.num_preemptions > 0
+                fit = bm.fit(num_blocks, resumed)
+                chunk = chunked or resumed  # (a recomputed group may have outgrown the budget)
+                if (chunk or remaining <= max_tokens) and fit is not AllocStatus.NEVER:
                     left = budget.tokens
-                    take = min(remaining, left) if chunked else remaining
+                    take = min(remaining, left) if chunk else remaining
                     if fit is AllocStatus.LATER or budget.seqs < 1 or take == 0 or take > left:
                         break  # no room in the cache, or no budget left this step
                     waiting.popleft()
@@ -247,6 +249,15 @@ class Scheduler:
             if status is AllocStatus.NEVER:
                 waiting.popleft()
                 blocks = bm.blocks_to_allocate(group)
+                if group.num_preemptions:  # recomputed, its sequences no longer share blocks
+                    logger.warning(
+                        "request %s ends with 'length': preempted by recompute, its %d "
+                        "sequences need %d KV blocks unshared but the cache holds %d; give the "
+                        "engine swap space (swap_space) or more KV cache", group.request_id,
+                        len(group.live_seqs()), blocks, bm.num_total_blocks)
+                    self.counters["num_infeasible"] += 1
+                    self._finish(group, "length", None, out)
+                    continue
                 self._finish(group, "error", f"the request needs {blocks} KV blocks of "
                              f"{bm.block_size} tokens but the cache holds only "
                              f"{bm.num_total_blocks - bm.watermark_blocks}; shorten the prompt "
@@ -283,13 +294,15 @@ class Scheduler:
         if group.params.use_beam_search:  # beams sample together: each runs its whole remainder
             if sum(rest) <= left:
                 return [ScheduledSeq(group, s, r, True) for s, r in zip(seqs, rest)]
+            chunk = self.config.enable_chunked_prefill or group.num_preemptions > 0
             for seq, r in zip(seqs, rest):  # or prefill chunks that keep one token each back
-                if self.config.enable_chunked_prefill and left and r > 1:
+                if chunk and left and r > 1:
                     plan.append(ScheduledSeq(group, seq, min(r - 1, left), False))
                     left -= plan[-1].num_new_tokens
             return plan
+        chunk = self.config.enable_chunked_prefill or group.num_preemptions > 0
         for seq, remaining in zip(seqs, rest):
-            take = min(remaining, left) if self.config.enable_chunked_prefill else remaining
+            take = min(remaining, left) if chunk else remaining
             if take == 0 or take > left:
                 break  # the rest of the group runs in a later step
             plan.append(ScheduledSeq(group, seq, take, take == remaining))
@@ -297,8 +310,10 @@ class Scheduler:
         return plan
 
     def _never_fits_budget(self, group: SequenceGroup) -> bool:
-        """Without chunked prefill a sequence longer than the token budget can never run."""
-        if self.config.enable_chunked_prefill:
+        """Without chunked prefill a sequence longer than the token budget can never run. (A
+        recomputed group re-prefills in chunks whatever the setting: it ran, and may have
+        outgrown the budget since its first prefill.)"""
+        if self.config.enable_chunked_prefill or group.num_preemptions:
             return False  # (beam width over the budget: refused by Engine.add_request)
         remaining = [s.num_tokens - s.num_computed_tokens for s in group.live_seqs()]
         if group.params.use_beam_search:

@@ -139,3 +139,64 @@ def test_exhausted_host_swap_space_recomputes_instead_of_failing(tiny_llama, mak
     assert _tokens(outs) == expected
     stats = llm.stats()
     assert stats["num_swap_outs"] == 0 and stats["num_recompute_preemptions"] > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_group_preempted_after_growing_into_the_watermark_resumes(mode, tiny_llama, make_llm):
+    """A running group may grow into the watermark (only admission keeps it free); preempted
+    there, it must come back on the whole cache, not be judged as a new request (it ended with
+    an error, or 'length', five tokens in)."""
+    long_prompt = random_prompts(1, seed=8, lo=68, hi=68)[0]
+    config = dict(block_size=4, num_gpu_blocks_override=20, watermark=0.1, preemption_mode=mode,
+                  swap_space=0.01)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    [alone] = make_llm(tiny_llama, **config).generate([long_prompt], params, use_tqdm=False)
+    llm = make_llm(tiny_llama, **config)
+    _, crowded = llm.generate([[5], long_prompt], params, use_tqdm=False)  # the first is older
+    assert llm.stats()["num_preemptions"] >= 1
+    assert crowded.error is None and alone.error is None
+    assert (crowded.outputs[0].token_ids, crowded.outputs[0].finish_reason) == \
+        (alone.outputs[0].token_ids, alone.outputs[0].finish_reason)
+    assert len(alone.outputs[0].token_ids) > 5
+
+
+@pytest.mark.parametrize("beam", [False, True], ids=["greedy", "beam"])
+def test_a_recomputed_group_outgrowing_the_budget_re_prefills_in_chunks(beam, tiny_llama,
+                                                                         make_llm):
+    """Chunked prefill off: a group's first prefill fits the budget, but after a recompute
+    preemption it must prefill its outputs too, which may not: it runs in chunks then (it
+    ended with 'length', cut short)."""
+    # (the whole budget: its first decode needs a new block, which the forced preemption takes)
+    prompt = random_prompts(1, seed=9, lo=60 if beam else 32, hi=60 if beam else 32)[0]
+    params = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0, max_tokens=8,
+                            ignore_eos=True) if beam else \
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    config = dict(block_size=4, enable_chunked_prefill=False, preemption_mode="recompute",
+                  max_num_batched_tokens=100 if beam else 32)
+    [plain] = make_llm(tiny_llama, **config).generate([prompt], params, use_tqdm=False)
+    llm = make_llm(tiny_llama, **config, artificial_preemption_prob=1.0,
+                   artificial_preemption_max=1)
+    [preempted] = llm.generate([prompt], params, use_tqdm=False)
+    assert llm.stats()["num_recompute_preemptions"] == 1
+    assert [(o.token_ids, o.finish_reason) for o in preempted.outputs] == \
+        [(o.token_ids, o.finish_reason) for o in plain.outputs]
+    assert len(plain.outputs[0].token_ids) == (8 if beam else 30)
+
+
+def test_a_recomputed_group_whose_sequences_no_longer_fit_unshared_ends_with_length(
+        tiny_llama, make_llm, caplog):
+    """Known limit: recompute drops the sharing of an n > 1 group's prompt blocks, so its
+    re-prefill may need more than the whole cache (swap keeps the sharing). It ends with
+    'length' and what it had, and a warning that says what to give the engine; not an
+    error that blames the prompt, and no hang."""
+    prompt = random_prompts(1, seed=10, lo=48, hi=48)[0]
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=24,
+                   preemption_mode="recompute", swap_space=0.01, artificial_preemption_prob=1.0,
+                   artificial_preemption_max=1)
+    [out] = llm.generate([prompt], params, use_tqdm=False)
+    assert out.error is None
+    assert [o.finish_reason for o in out.outputs] == ["length", "length"]
+    assert all(1 <= len(o.token_ids) < 8 for o in out.outputs)
+    assert "preempted by recompute, its 2 sequences need 26 KV blocks unshared but the cache " \
+           "holds 24" in caplog.text
