@@ -57,10 +57,30 @@ class KVCache:
             self.backend.swap_blocks(self.host_cache, self.device_cache, src, dst)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        if pairs:
-            src, dst = _index(pairs)
-            device = self.device_cache.device
+        """Copy-on-write: each destination gets its source's content from before the step's
+        copies (a block can be both: a copy's source, evicted from the prefix cache and handed
+        out as another copy's destination). One launch per round of copy_rounds."""
+        device = self.device_cache.device
+        for round_pairs in copy_rounds(pairs):
+            src, dst = _index(round_pairs)
             self.backend.copy_blocks(self.device_cache, src.to(device), dst.to(device))
+
+
+def copy_rounds(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`pairs` (source, destination) in rounds whose copies may all run at once (a CUDA kernel
+    runs a launch's copies in no order) with the effect of reading every source first: a copy
+    that overwrites a block another copy still reads waits for a later round. Almost always a
+    single round."""
+    rounds: list[list[tuple[int, int]]] = []
+    pending = list(pairs)
+    while pending:
+        sources = {s for s, _ in pending}
+        ready = [p for p in pending if p[1] not in sources or p[0] == p[1]]
+        if not ready:
+            raise RuntimeError(f"block copies {pending} form a cycle")
+        rounds.append(ready)
+        pending = [p for p in pending if p[1] in sources and p[0] != p[1]]
+    return rounds
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
