@@ -52,8 +52,10 @@ def free_capacity(max_num_seqs: int, num_held: int, stats: dict[str, Any]) -> in
 
 
 class Admission:
-    def __init__(self, cfg: WorkerConfig, keys: Keys, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, cfg: WorkerConfig, keys: Keys, tokenizer: Any, max_model_len: int,
+                 vocab_size: int | None = None) -> None:
         self.cfg = cfg
+        self.vocab_size = vocab_size
         self.keys = keys
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)  # logprobs' token strings
@@ -109,6 +111,11 @@ class Admission:
             params = SamplingParams.from_dict(self._params(spec))
         except Exception as exc:  # ValueError with the engine's reason, or worse
             return reject("invalid_params", str(exc) or type(exc).__name__)
+        outside = [t for t in params.stop_token_ids
+                   if self.vocab_size is not None and not 0 <= t < self.vocab_size]
+        if outside:  # (the engine refuses them too, but as a prompt error)
+            return reject("invalid_params", f"stop_token_ids holds {outside[0]}, outside the "
+                          f"vocabulary [0, {self.vocab_size})")
         job = ActiveJob(entry_id=entry_id, deliveries=deliveries, attempt=attempt, spec=spec,
                         fields=dict(fields), reply_key=self.keys.reply(spec.id),
                         stream_tokens=spec.stream and not params.use_beam_search

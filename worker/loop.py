@@ -56,7 +56,8 @@ class Worker:
         self.conn = redis.Redis.from_url(cfg.redis_url, protocol=2, socket_timeout=10,
                                          socket_connect_timeout=5)
         self.reader = JobReader(cfg, self.keys, self.conn)
-        self.admission = Admission(cfg, self.keys, engine.tokenizer, engine.max_model_len)
+        self.admission = Admission(cfg, self.keys, engine.tokenizer, engine.max_model_len,
+                                   getattr(engine, "vocab_size", None))
         self.max_num_seqs = int(engine.config.max_num_seqs)
         writer_args = (self.jobs_key, self.keys.dead(cfg.served_model_name), self.keys.group,
                        self.me, cfg.result_ttl, cfg.dead_ttl)

@@ -228,6 +228,7 @@ BAD_JOBS: list[tuple[str, dict[str, Any], str]] = [
     ("missing field", {"params": None}, "missing_field"),
     ("expired deadline", {"deadline": 1.0}, "deadline_exceeded"),
     ("token id out of vocab", {"prompt": None, "prompt_token_ids": [10**9]}, "bad_prompt"),
+    ("stop token id out of vocab", {"params": {"stop_token_ids": [10**9]}}, "invalid_params"),
     ("empty prompt", {"prompt": ""}, "bad_prompt"),
 ]
 
