@@ -269,8 +269,8 @@ def test_a_job_with_a_stop_token_outside_the_vocabulary_is_refused_by_a_genq_wor
         offline: Callable[..., list[Expected]]) -> None:
     """The real job that made step() raise (found while building the quarantine): min_tokens with
     a stop token id outside the vocabulary, which the sampler banned by indexing the logits with
-    it. It killed every worker that ran it; now the engine refuses it when it is added, and the
-    jobs read with it complete."""
+    it. It killed every worker that ran it; now admission refuses it as invalid_params (the engine
+    would too, when it is added), and the jobs read with it complete."""
     bad: dict[str, Any] = {"temperature": 0, "max_tokens": 6, "min_tokens": 2,
                            "stop_token_ids": [1_000_000]}
     good = GOOD[:3]
@@ -282,8 +282,7 @@ def test_a_job_with_a_stop_token_outside_the_vocabulary_is_refused_by_a_genq_wor
         jobs[1].result(timeout=60)
     vocab = AutoConfig.from_pretrained(str(tiny_llama)).vocab_size
     assert (exc.value.code, exc.value.message) == (
-        "bad_prompt", f"ValueError: stop_token_ids holds 1000000, outside the vocabulary "
-                      f"[0, {vocab})")
+        "invalid_params", f"stop_token_ids holds 1000000, outside the vocabulary [0, {vocab})")
     for job, want in zip([jobs[0], jobs[2], jobs[3]], expected, strict=True):
         result = job.result(timeout=60)
         assert as_expected(result) == want
