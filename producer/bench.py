@@ -15,8 +15,8 @@ import statistics
 import sys
 from typing import Any
 
-from producer.cli import add_redis_args
 from producer.client import Client
+from producer.flags import add_redis_args
 from producer.protocol import REPLY_FIELD, decode_event
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from celery import Celery
 
-from producer.cli import add_redis_args
 from producer.client import Client, JobError
+from producer.flags import add_redis_args
 from producer.protocol import DEFAULT_PREFIX, ProtocolError
 
 TASK_NAME = "genq.generate"

@@ -40,8 +40,8 @@ from redis import ConnectionError as RedisConnectionError
 from redis import TimeoutError as RedisTimeoutError
 
 from producer import openai_schema as oa
-from producer.cli import add_limit_args, add_redis_args, limits_from_args
 from producer.client import make_job_spec
+from producer.flags import add_limit_args, add_redis_args, limits_from_args
 from producer.gateway_fleet import (
     FleetView,
     GatewayRedis,

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from producer.cli import add_limit_args, add_redis_args, limits_from_args
+from producer.flags import add_limit_args, add_redis_args, limits_from_args
 from worker.config import WorkerConfig
 from worker.metrics import MetricsServer, Registry
 
