@@ -28,7 +28,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -142,15 +142,18 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _enter(self, job_ids: list[str]) -> None:
+    @contextlib.contextmanager
+    def _reading(self, job_ids: list[str]) -> Iterator[None]:
+        """While a request reads these jobs (a cancel that falls due spares them)."""
         for job_id in job_ids:
             self._readers[job_id] = self._readers.get(job_id, 0) + 1
-
-    def _leave(self, job_ids: list[str]) -> None:
-        for job_id in job_ids:
-            left = self._readers.pop(job_id, 1) - 1
-            if left:
-                self._readers[job_id] = left
+        try:
+            yield
+        finally:
+            for job_id in job_ids:
+                left = self._readers.pop(job_id, 1) - 1
+                if left:
+                    self._readers[job_id] = left
 
     def reader(self, job_id: str, after: str | None = None) -> JobReader:
         return JobReader(self.redis.blocking_conn, self.keys.reply(job_id), job_id, after,
@@ -173,22 +176,16 @@ class Gateway:
         if req.stream:
             return await self._stream(request, req, ids[0], prefix + headers[JOB_ID_HEADER],
                                       chat, headers, prompts, resume_after)
-        self._enter(ids)
         try:
-            results = await watch_disconnect(request, asyncio.gather(
-                *(self.reader(job_id).result() for job_id in ids)))
+            with self._reading(ids):
+                results = await watch_disconnect(request, asyncio.gather(
+                    *(self.reader(job_id).result() for job_id in ids)))
         except ClientGone:
-            self._leave(ids)
             self.cancel_later(ids)
             return Response(status_code=499)
         except GatewayError:  # one job failed or timed out: the others' work is wasted
-            self._leave(ids)
             await asyncio.gather(*(self.redis.cancel(job_id) for job_id in ids))
             raise
-        except BaseException:
-            self._leave(ids)
-            raise
-        self._leave(ids)
         shaper = Choices(req, chat, prefix + headers[JOB_ID_HEADER], int(time.time()), prompts)
         choices: list[dict[str, Any]] = []
         prompt_tokens, completion_tokens = 0, 0
@@ -206,19 +203,14 @@ class Gateway:
                       prompts: list[str | list[int]], resume_after: str | None) -> Response:
         reader = self.reader(job_id, after=resume_after)
         events = reader.events()
-        self._enter([job_id])  # (left when the body ends, or here on the way out)
         try:  # the first event decides the status: a job the worker rejects is a 4xx/5xx
-            first = await watch_disconnect(request, anext_or_none(events))
+            with self._reading([job_id]):  # (the body reads on under its own)
+                first = await watch_disconnect(request, anext_or_none(events))
         except ClientGone:
-            self._leave([job_id])
             await events.aclose()
             self.cancel_later([job_id])
             return Response(status_code=499)
-        except BaseException:
-            self._leave([job_id])
-            raise
         if first is not None and first[1]["type"] == "error":
-            self._leave([job_id])
             await events.aclose()
             raise error_status(first[1])
         # From the reply stream's clock, so a resumed stream's chunks match the first ones.
@@ -229,22 +221,22 @@ class Gateway:
         async def body() -> AsyncIterator[str]:
             finished = False
             try:
-                pending = [first] if first is not None else []
-                async for entry_id, event in chain(pending, events):
-                    void = shaper.restart_error(event)
-                    if void is not None:  # the job runs on; only this stream ends
-                        finished = True
-                        await events.aclose()
-                        yield f"data: {json.dumps(void)}\n\n"
-                        return
-                    for data in shaper.sse_payloads(event):
-                        yield f"id: {entry_id}\ndata: {json.dumps(data)}\n\n"
-                    finished = event["type"] in ("done", "error")
-                yield "data: [DONE]\n\n"
+                with self._reading([job_id]):
+                    pending = [first] if first is not None else []
+                    async for entry_id, event in chain(pending, events):
+                        void = shaper.restart_error(event)
+                        if void is not None:  # the job runs on; only this stream ends
+                            finished = True
+                            await events.aclose()
+                            yield f"data: {json.dumps(void)}\n\n"
+                            return
+                        for data in shaper.sse_payloads(event):
+                            yield f"id: {entry_id}\ndata: {json.dumps(data)}\n\n"
+                        finished = event["type"] in ("done", "error")
+                    yield "data: [DONE]\n\n"
             except GatewayError as exc:  # e.g. no terminal event before the deadline
                 yield f"data: {json.dumps(exc.body())}\n\n"
             finally:
-                self._leave([job_id])
                 if not finished:  # the client went away (or we failed): stop the job
                     with anyio.CancelScope(shield=True):
                         await events.aclose()

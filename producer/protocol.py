@@ -300,6 +300,18 @@ def encode_job_entry(spec: JobSpec, attempt_base: int = 0) -> dict[str, bytes]:
     return fields
 
 
+def attempt_base(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> int | None:
+    """The entry field 'a' (attempts before a hand-back re-added the job): 0 when absent, None
+    when it is not a small integer."""
+    raw = next((v for k, v in fields.items() if as_str(k) == "a"), None)
+    if raw is None:
+        return 0
+    a = as_str(raw)
+    if not (a.isascii() and a.isdigit()) or len(a) > 9:  # ('²'.isdigit(): int() refuses)
+        return None
+    return int(a)
+
+
 def decode_job_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes],
                      max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> tuple[JobSpec, int]:
     """Strictly decode one job-stream entry -> (spec, attempt_base). Raises ProtocolError."""
@@ -312,12 +324,10 @@ def decode_job_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes],
     if as_str(raw["v"]) != str(PROTOCOL_VERSION):
         raise ProtocolError("bad_version", f"protocol version {as_str(raw['v'])[:20]!r} is not "
                             f"supported (this worker speaks {PROTOCOL_VERSION})")
-    attempt_base = 0
-    if "a" in raw:
-        a = as_str(raw["a"])
-        if not (a.isascii() and a.isdigit()) or len(a) > 9:  # ('²'.isdigit(): int() refuses)
-            raise ProtocolError("wrong_type", f"entry field 'a' must be a small integer, got {a!r}")
-        attempt_base = int(a)
+    base = attempt_base(fields)
+    if base is None:
+        raise ProtocolError("wrong_type", f"entry field 'a' must be a small integer, got "
+                            f"{as_str(raw['a'])!r}")
     payload = raw["job"]
     if isinstance(payload, str):
         payload = payload.encode()
@@ -331,7 +341,7 @@ def decode_job_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes],
                             f"{type(exc).__name__}: {exc}"[:300]) from None
     if not isinstance(obj, dict):
         raise ProtocolError("wrong_type", f"job payload must be a map, got {type(obj).__name__}")
-    return _job_from_map(obj), attempt_base
+    return _job_from_map(obj), base
 
 
 def _job_from_map(obj: dict[Any, Any]) -> JobSpec:

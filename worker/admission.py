@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from producer.protocol import JobSpec, Keys, ProtocolError, check_limits, decode_job_entry
+from producer.protocol import (
+    JobSpec,
+    Keys,
+    ProtocolError,
+    attempt_base,
+    check_limits,
+    decode_job_entry,
+)
 from worker.config import WorkerConfig
 from worker.jobs import ActiveJob
 from worker.token_text import TokenTexts
@@ -66,12 +73,11 @@ class Admission:
         now = time.time() if now is None else now
         raw_job = fields.get(b"job")
         try:
-            spec, attempt_base = decode_job_entry(fields, self.cfg.limits.max_job_bytes)
+            spec, base = decode_job_entry(fields, self.cfg.limits.max_job_bytes)
         except ProtocolError as exc:
             reply = self.keys.reply(exc.job_id) if exc.job_id else None
             # (the attempt the client counts: a handed-back job's entry carries its base)
-            a = fields.get(b"a", b"")
-            base = int(a) if isinstance(a, bytes) and a.isdigit() and len(a) <= 9 else 0
+            base = attempt_base(fields) or 0
             return Rejection(entry_id, deliveries, base + deliveries, reply, exc.code,
                              exc.message,
                              dead=reply is None or deliveries > self.cfg.max_attempts,
@@ -82,7 +88,7 @@ class Admission:
             return Rejection(entry_id, deliveries, deliveries, None, "malformed",
                              f"the job entry could not be decoded: {type(exc).__name__}: "
                              f"{exc}"[:300], dead=True, raw_job=raw_job)
-        attempt = attempt_base + deliveries
+        attempt = base + deliveries
 
         def reject(code: str, message: str, dead: bool = False) -> Rejection:
             return Rejection(entry_id, deliveries, attempt, self.keys.reply(spec.id), code,

@@ -266,12 +266,11 @@ def test_a_cut_requests_delayed_cancel_spares_a_job_that_a_retry_reads(tmp_path:
     async def scenario() -> tuple[int, int]:
         gateway = Gateway(GatewayConfig(redis_url=server.url, resume_grace_s=0.1))
         conn = server.client()
-        gateway._enter(["job-r"])  # the retry is reading the job
-        gateway.cancel_later(["job-r"])  # the first request, cut, schedules its cancel
-        await asyncio.sleep(0.4)
-        spared = conn.exists("genq:cancel:job-r")
-        gateway._leave(["job-r"])  # the retry is cut too: nobody reads the job now
-        gateway.cancel_later(["job-r"])
+        with gateway._reading(["job-r"]):  # the retry is reading the job
+            gateway.cancel_later(["job-r"])  # the first request, cut, schedules its cancel
+            await asyncio.sleep(0.4)
+            spared = conn.exists("genq:cancel:job-r")
+        gateway.cancel_later(["job-r"])  # the retry is cut too: nobody reads the job now
         await asyncio.sleep(0.4)
         cancelled = conn.exists("genq:cancel:job-r")
         await gateway.redis.close()
