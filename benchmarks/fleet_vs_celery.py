@@ -11,7 +11,11 @@
     entries (the Redis-side ceiling of the fenced writes); the same 256 requests on the engine
     alone in this process, with no Redis (the model's own ceiling on this machine); and the 256
     requests again through a worker run with --stream-interval 4 (4 tokens per event) and one
-    with --writer thread (the writer in the worker's process), rounds alternating.
+    with --writer thread (the writer in the worker's process), rounds alternating. Each
+    streaming round also gives the rate while all 256 ran (from the last started event to the
+    first done: no ramp up or down) and the CPU the worker (with its writer process) and
+    redis-server spent per token, read from /proc: on a small machine that shares its cores
+    with Redis and the client, the sum of those is what bounds the rate.
 
     python -m benchmarks.fleet_vs_celery [--jobs 2000] [--rounds 3] [--model DIR | --minimal-model]
                                          [--json out.json]
@@ -114,11 +118,47 @@ def genq_round_trips(client: Any, jobs: int) -> dict[str, Any]:
                      "the quick brown fox", True, 600)
 
 
-def genq_running_256(client: Any, name: str = "tiny") -> dict[str, Any]:
+def genq_running_256(client: Any, name: str = "tiny", worker_pid: int | None = None,
+                     redis_pid: int | None = None) -> dict[str, Any]:
+    """256 x 64 tokens streamed; with the pids, also the CPU each side spent per token: the
+    worker (its process and its writer process) and redis-server."""
     from producer.bench import run_bench
 
-    return run_bench(client, name, 256, {"temperature": 0, "max_tokens": 64,
-                                           "ignore_eos": True}, "the quick brown fox", True, 600)
+    worker = _family(worker_pid) if worker_pid else []
+    before = (_cpu_seconds(worker), _cpu_seconds([redis_pid] if redis_pid else []))
+    figures = run_bench(client, name, 256, {"temperature": 0, "max_tokens": 64,
+                                              "ignore_eos": True}, "the quick brown fox", True,
+                        600)
+    after = (_cpu_seconds(worker), _cpu_seconds([redis_pid] if redis_pid else []))
+    tokens = max(figures["tokens"], 1)
+    for key, b, a in zip(("worker", "redis"), before, after, strict=True):
+        figures[f"{key}_cpu_us_per_token"] = None if a is None or b is None \
+            else (a - b) / tokens * 1e6
+    return figures
+
+
+def _family(pid: int) -> list[int]:
+    """A process and its children (the worker and its writer process); Linux only."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [pid, *(int(k) for k in f.read().split())]
+    except OSError:
+        return []
+
+
+def _cpu_seconds(pids: list[int]) -> float | None:
+    """User + system CPU seconds of `pids` from /proc (None where that cannot be read)."""
+    if not pids:
+        return None
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
 
 
 def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, Any]:
@@ -290,10 +330,12 @@ def main(argv: list[str] | None = None) -> int:
                                    "running_256_thread": [],
                                    "writer": bench_writer(url),
                                    "engine_alone_256": engine_alone(model)}
+        pids = {name: proc.pid for name, proc in zip(("tiny", "tiny-si4", "tiny-thread"),
+                                                        procs[1:4], strict=True)}
         for _ in range(args.rounds):  # alternating, as the round trips
             for key, name in (("running_256", "tiny"), ("running_256_si4", "tiny-si4"),
                               ("running_256_thread", "tiny-thread")):
-                figures[key].append(genq_running_256(client, name))
+                figures[key].append(genq_running_256(client, name, pids[name], procs[0].pid))
         report(figures)
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
@@ -334,6 +376,19 @@ def _ping(url: str) -> bool:
         return False
 
 
+def _streaming(many: dict[str, Any]) -> str:
+    line = (f"{many['tokens_per_s']:.0f} tokens/s streamed in "
+            f"{many['token_events_per_s']:.0f} tokens events/s "
+            f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
+    if many.get("all_running_token_events_per_s") is not None:
+        line += (f"; while all 256 ran: {many['all_running_tokens_per_s']:.0f} tokens/s, "
+                 f"{many['all_running_token_events_per_s']:.0f} events/s")
+    if many.get("worker_cpu_us_per_token") is not None:
+        line += (f"; CPU per token: worker {many['worker_cpu_us_per_token']:.1f} us, "
+                 f"redis {many['redis_cpu_us_per_token']:.1f} us")
+    return line
+
+
 def report(f: dict[str, Any]) -> None:
     print(f"{'round trips, max_tokens=1':<30}{'jobs/s':>8}{'started p50':>13}{'p99':>7}"
           f"{'done p50':>10}{'p99':>7}")
@@ -352,16 +407,11 @@ def report(f: dict[str, Any]) -> None:
     if ratios:
         print(f"genq / celery per round: {', '.join(f'{r:.1f}x' for r in ratios)}; "
               f"median {statistics.median(ratios):.1f}x")
-    for many in f["running_256"]:
-        print(f"256 running requests on one CPU worker: {many['tokens_per_s']:.0f} tokens/s "
-              f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
-              f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
-    for key, label in (("running_256_si4", "--stream-interval 4"),
-                       ("running_256_thread", "--writer thread")):
+    for key, label in (("running_256", "256 running requests on one CPU worker"),
+                       ("running_256_si4", "the same with --stream-interval 4"),
+                       ("running_256_thread", "the same with --writer thread")):
         for many in f[key]:
-            print(f"the same with {label}: {many['tokens_per_s']:.0f} tokens/s "
-                  f"streamed in {many['token_events_per_s']:.0f} tokens events/s "
-                  f"({many['tokens'] / max(many['token_events'], 1):.2f} tokens per event)")
+            print(f"{label}: {_streaming(many)}")
     for alone in f["engine_alone_256"]:
         print(f"the same 256 requests on the engine alone (no Redis, one thread): "
               f"{alone['tokens_per_s']:.0f} tokens/s")

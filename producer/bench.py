@@ -52,8 +52,7 @@ def run_bench(client: Client, model: str, num_jobs: int, params: dict[str, Any],
     results = client.results(jobs, timeout, return_exceptions=True)
     failed = sum(isinstance(r, Exception) for r in results)
     to_started, to_done, submits, starts, dones = [], [], [], [], []
-    num_token_events = 0
-    num_tokens = 0
+    token_times: list[tuple[int, int]] = []  # (ms, tokens) of every tokens event
     pipe = client.redis.pipeline(transaction=False)
     for job in jobs:
         pipe.xrange(job.reply_key)
@@ -66,20 +65,29 @@ def run_bench(client: Client, model: str, num_jobs: int, params: dict[str, Any],
                 starts.append(_ms(entry_id))
                 to_started.append(_ms(entry_id) - submitted)
             elif event["type"] == "tokens":
-                num_token_events += 1
-                num_tokens += len(event["token_ids"])
+                token_times.append((_ms(entry_id), len(event["token_ids"])))
             else:
                 dones.append(_ms(entry_id))
                 to_done.append(_ms(entry_id) - submitted)
     wall_ms = max(max(dones, default=0) - min(submits, default=0), 1)
     gen_ms = max(max(dones, default=0) - min(starts, default=0), 1)
+    num_token_events = len(token_times)
+    num_tokens = sum(n for _, n in token_times)
+    # While every job runs: from the last start to the first end (none when they overlap less
+    # than a millisecond).
+    first_done, last_start = min(dones, default=0), max(starts, default=0)
+    steady = [n for t, n in token_times if last_start <= t <= first_done]
+    steady_s = (first_done - last_start) / 1000
     return {"jobs": num_jobs, "failed": failed, "params": params, "wall_s": wall_ms / 1000,
             "jobs_per_s": len(dones) / (wall_ms / 1000),
             "submit_to_started_ms": _percentiles(to_started),
             "submit_to_done_ms": _percentiles(to_done),
             "token_events": num_token_events,
             "token_events_per_s": num_token_events / (gen_ms / 1000),
-            "tokens": num_tokens, "tokens_per_s": num_tokens / (gen_ms / 1000)}
+            "tokens": num_tokens, "tokens_per_s": num_tokens / (gen_ms / 1000),
+            "all_running_s": steady_s,
+            "all_running_token_events_per_s": len(steady) / steady_s if steady_s > 0 else None,
+            "all_running_tokens_per_s": sum(steady) / steady_s if steady_s > 0 else None}
 
 
 def print_figures(f: dict[str, Any]) -> None:
@@ -90,6 +98,10 @@ def print_figures(f: dict[str, Any]) -> None:
         print(f"{name:<22} p50 {p['p50']:.0f}  p99 {p['p99']:.0f}  max {p['max']:.0f}")
     print(f"tokens streamed {f['tokens']}: {f['tokens_per_s']:.0f}/s in {f['token_events']} "
           f"tokens events ({f['token_events_per_s']:.0f}/s)")
+    if f["all_running_token_events_per_s"] is not None:
+        print(f"while all {f['jobs']} ran ({f['all_running_s']:.2f} s): "
+              f"{f['all_running_tokens_per_s']:.0f} tokens/s in "
+              f"{f['all_running_token_events_per_s']:.0f} tokens events/s")
 
 
 def _ms(entry_id: bytes | str) -> int:

@@ -7,7 +7,9 @@ thread 38-64k tokens/s (median 50k), process 52-83k (median 65k); on the tests' 
 whose forward pass dominates, 28-51k either way.
 
 WriterProcess, on the worker's side, has the writer thread's interface (submit, backlog, flush,
-check, stop, the `lost` and `finished` queues); a thread of its own reads the child's feedback.
+check, stop, the `lost` and `finished` queues). The child's feedback is read when the loop asks
+(backlog, check, flush: non-blocking reads of the pipe), not by a thread: a thread woken by
+every write's feedback took the GIL from the engine's thread at each step.
 The child is `python -m worker.writer_process`: it imports redis and msgpack, never torch, and
 dies with the worker (PR_SET_PDEATHSIG, and the end of its input).
 
@@ -27,6 +29,7 @@ import fcntl
 import logging
 import os
 import queue
+import select
 import signal
 import struct
 import subprocess
@@ -58,13 +61,15 @@ class WriterProcess:
         self.lost: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()  # (Writer.lost)
         self.finished: queue.SimpleQueue[str] = queue.SimpleQueue()  # finish writes done
         self.num_events_written = 0  # after coalescing
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
         self._submitted = 0
         self._written = 0
-        self._cond = threading.Condition()
+        # The child's feedback is read by whoever asks (poll): no thread of ours wakes at every
+        # write to take the GIL from the engine's.
+        self._poll_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
-        self._feedback: threading.Thread | None = None
+        self._feedback: Frames | None = None
         self._stopping = False
 
     def start(self) -> None:
@@ -74,42 +79,46 @@ class WriterProcess:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "worker.writer_process", str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
-        assert self._proc.stdin is not None
+        assert self._proc.stdin is not None and self._proc.stdout is not None
         with contextlib.suppress(OSError):  # (a smaller pipe only blocks sooner)
             fcntl.fcntl(self._proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         self._send(msgpack.packb(self.config))
-        self._feedback = threading.Thread(target=self._read_feedback, daemon=True,
-                                          name="genq-writer-feedback")
-        self._feedback.start()
+        self._feedback = Frames(self._proc.stdout.fileno())
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the child failed (its error, or its exit), as of now; None while it works."""
+        self.poll()
+        return self._error
 
     def submit(self, batch: Batch) -> None:
         if not batch:
             return
-        with self._cond:
-            self._submitted += 1
+        self._submitted += 1
         try:
             self._send(msgpack.packb([batch.events, batch.finishes]))
         except OSError as exc:  # the child is gone; its exit is reported by the feedback
             self._fail(RuntimeError(f"the writer process does not take writes: {exc}"))
 
     def backlog(self) -> int:
+        self.poll()
         return self._submitted - self._written
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is written; False if `timeout` ran out."""
         end = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._written < self._submitted and self.error is None:
-                left = 0.05 if end is None else end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.05))
+        self.poll()
+        while self._written < self._submitted and self._error is None:
+            left = 0.05 if end is None else end - time.monotonic()
+            if left <= 0:
+                return False
+            self.poll(min(left, 0.05))
         self.check()
         return True
 
     def check(self) -> None:
         if self.error is not None:
-            raise RuntimeError("the writer process failed; stopping the worker") from self.error
+            raise RuntimeError("the writer process failed; stopping the worker") from self._error
 
     def stop(self, timeout: float = 30.0) -> None:
         """Write what was submitted (up to `timeout`), then end the child."""
@@ -121,13 +130,14 @@ class WriterProcess:
             self._send(b"")
             assert proc.stdin is not None
             proc.stdin.close()
+        end = time.monotonic() + timeout
+        while self._feedback is not None and time.monotonic() < end:  # its last feedback
+            self.poll(min(0.05, max(end - time.monotonic(), 0)))
         try:
-            proc.wait(timeout)
+            proc.wait(max(end - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
             log.warning("the writer process did not stop within %.0f s; killing it", timeout)
             self.abandon()
-        if self._feedback is not None:
-            self._feedback.join(timeout=5)
 
     def abandon(self) -> None:
         """End the child now, whatever it still holds (Redis would not take it)."""
@@ -135,6 +145,37 @@ class WriterProcess:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Take in the child's feedback: what it has sent by now, waiting up to `timeout` for
+        some if none is there."""
+        with self._poll_lock:
+            frames = self._feedback
+            if frames is None:
+                return
+            if timeout > 0 and not frames.ready(timeout):
+                return
+            batch = frames.take_ready()
+            if batch is None:  # the end of its output: it exited
+                self._feedback = None
+                assert self._proc is not None
+                code = self._proc.wait()
+                if not self._stopping:
+                    self._fail(RuntimeError(f"the writer process exited with status {code}"))
+                return
+            for frame in batch:
+                self._take(msgpack.unpackb(frame))
+
+    def _take(self, msg: dict[str, Any]) -> None:
+        if "error" in msg:
+            self._fail(RuntimeError(f"the writer process failed: {msg['error']}"))
+            return
+        for entry_id, deliveries in msg["l"]:
+            self.lost.put((entry_id, deliveries))
+        for entry_id in msg["f"]:
+            self.finished.put(entry_id)
+        self._written += msg["n"]
+        self.num_events_written = msg["w"]
 
     def _send(self, payload: bytes) -> None:
         assert self._proc is not None and self._proc.stdin is not None
@@ -145,31 +186,8 @@ class WriterProcess:
                 data = data[os.write(fd, data):]
 
     def _fail(self, exc: BaseException) -> None:
-        with self._cond:
-            if self.error is None:
-                self.error = exc
-            self._cond.notify_all()
-
-    def _read_feedback(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        frames = Frames(self._proc.stdout.fileno())
-        while batch := frames.take():
-            for frame in batch:
-                msg = msgpack.unpackb(frame)
-                if "error" in msg:
-                    self._fail(RuntimeError(f"the writer process failed: {msg['error']}"))
-                    continue
-                for entry_id, deliveries in msg["l"]:
-                    self.lost.put((entry_id, deliveries))
-                for entry_id in msg["f"]:
-                    self.finished.put(entry_id)
-                with self._cond:
-                    self._written += msg["n"]
-                    self.num_events_written = msg["w"]
-                    self._cond.notify_all()
-        code = self._proc.wait()
-        if not self._stopping:
-            self._fail(RuntimeError(f"the writer process exited with status {code}"))
+        if self._error is None:
+            self._error = exc
 
 
 class Frames:
@@ -191,6 +209,20 @@ class Frames:
                 return []
             self.buf += chunk
 
+    def ready(self, timeout: float) -> bool:
+        """Whether a read would not block, waiting up to `timeout` seconds."""
+        return bool(select.select([self.fd], [], [], timeout)[0])
+
+    def take_ready(self) -> list[bytes] | None:
+        """Every whole frame that can be read without blocking (maybe none); None at the end
+        of the input."""
+        while self.ready(0):
+            chunk = os.read(self.fd, _PIPE_BYTES)
+            if not chunk:
+                return self._split() or None
+            self.buf += chunk
+        return self._split()
+
     def _split(self) -> list[bytes]:
         frames, offset, buf = [], 0, self.buf
         while len(buf) - offset >= 4:
@@ -202,7 +234,6 @@ class Frames:
         if offset:
             del buf[:offset]
         return frames
-
 
 def _die_with_parent(parent: int) -> None:
     with contextlib.suppress(OSError, AttributeError):  # Linux: SIGKILL when the worker dies
