@@ -82,8 +82,9 @@ class WriterProcess:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         with contextlib.suppress(OSError):  # (a smaller pipe only blocks sooner)
             fcntl.fcntl(self._proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        self._send(msgpack.packb(self.config))
+        os.set_blocking(self._proc.stdin.fileno(), False)  # (a full pipe: _send)
         self._feedback = Frames(self._proc.stdout.fileno())
+        self._send(msgpack.packb(self.config))
 
     @property
     def error(self) -> BaseException | None:
@@ -178,12 +179,20 @@ class WriterProcess:
         self.num_events_written = msg["w"]
 
     def _send(self, payload: bytes) -> None:
+        """Write one frame. While the pipe to the child is full, take in its feedback: the
+        child may be waiting for room in the pipe back before it reads on (and nobody else
+        reads that pipe)."""
         assert self._proc is not None and self._proc.stdin is not None
         data = memoryview(_HEADER.pack(len(payload)) + payload)
         fd = self._proc.stdin.fileno()
         with self._send_lock:
             while data:
-                data = data[os.write(fd, data):]
+                try:
+                    data = data[os.write(fd, data):]
+                except BlockingIOError:
+                    self.poll()
+                    feedback = [self._feedback.fd] if self._feedback is not None else []
+                    select.select(feedback, [fd], [], 0.05)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:

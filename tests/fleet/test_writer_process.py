@@ -115,3 +115,32 @@ def test_frames_come_whole_however_the_pipe_splits_them() -> None:
     os.close(w)
     assert frames.take() == []
     os.close(r)
+
+
+def test_submits_never_deadlock_on_feedback_the_loop_has_not_read(
+        redis_server: RedisServer) -> None:
+    """The loop reads the child's feedback only when it asks (backlog, check, flush). Large
+    batches submitted back to back fill the pipe to the child while the child's feedback for the
+    batches before fills the pipe back: a submit that blocks takes in that feedback meanwhile,
+    so both sides go on. Every finish lands, in order."""
+    import threading
+
+    setup_group(redis_server, "me", 1)
+    writer = WriterProcess(redis_server.url, JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    writer.start()
+    event = encode_event(error_event(1, "x", "y" * 4000))
+    ids = [[f"{b}-{i}" for i in range(100)] for b in range(150)]
+
+    def submit_all() -> None:  # ~60 MB of frames, ~0.5 MB of feedback: no backlog() between
+        for batch_ids in ids:
+            writer.submit(Batch(finishes=[FinishWrite(eid, 1, KEYS.reply(f"j{eid}"), event)
+                                          for eid in batch_ids]))
+
+    sender = threading.Thread(target=submit_all, daemon=True)
+    sender.start()
+    sender.join(timeout=120)
+    assert not sender.is_alive(), "submit() deadlocked against the child's unread feedback"
+    assert writer.flush(timeout=60) is True
+    writer.stop()
+    assert writer.error is None
+    assert drain(writer.finished) == [eid for batch_ids in ids for eid in batch_ids]
