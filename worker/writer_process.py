@@ -191,8 +191,11 @@ class WriterProcess:
                     data = data[os.write(fd, data):]
                 except BlockingIOError:
                     self.poll()
-                    feedback = [self._feedback.fd] if self._feedback is not None else []
-                    select.select(feedback, [fd], [], 0.05)
+                    waiter = select.poll()  # (poll, not select: any fd number)
+                    waiter.register(fd, select.POLLOUT)
+                    if self._feedback is not None:
+                        waiter.register(self._feedback.fd, select.POLLIN)
+                    waiter.poll(50)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -205,6 +208,8 @@ class Frames:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.buf = bytearray()
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
 
     def take(self) -> list[bytes]:
         """Wait for at least one whole frame, then return every whole frame read; [] at the
@@ -220,7 +225,7 @@ class Frames:
 
     def ready(self, timeout: float) -> bool:
         """Whether a read would not block, waiting up to `timeout` seconds."""
-        return bool(select.select([self.fd], [], [], timeout)[0])
+        return bool(self._poller.poll(timeout * 1000))
 
     def take_ready(self) -> list[bytes] | None:
         """Every whole frame that can be read without blocking (maybe none); None at the end
@@ -243,6 +248,7 @@ class Frames:
         if offset:
             del buf[:offset]
         return frames
+
 
 def _die_with_parent(parent: int) -> None:
     with contextlib.suppress(OSError, AttributeError):  # Linux: SIGKILL when the worker dies
