@@ -124,12 +124,12 @@ def genq_running_256(client: Any, name: str = "tiny", worker_pid: int | None = N
     worker (its process and its writer process) and redis-server."""
     from producer.bench import run_bench
 
-    worker = _family(worker_pid) if worker_pid else []
-    before = (_cpu_seconds(worker), _cpu_seconds([redis_pid] if redis_pid else []))
+    sides = (_family(worker_pid) if worker_pid else [], [redis_pid] if redis_pid else [])
+    before = [_cpu_seconds(pids) for pids in sides]
     figures = run_bench(client, name, 256, {"temperature": 0, "max_tokens": 64,
                                               "ignore_eos": True}, "the quick brown fox", True,
                         600)
-    after = (_cpu_seconds(worker), _cpu_seconds([redis_pid] if redis_pid else []))
+    after = [_cpu_seconds(pids) for pids in sides]
     tokens = max(figures["tokens"], 1)
     for key, b, a in zip(("worker", "redis"), before, after, strict=True):
         figures[f"{key}_cpu_us_per_token"] = None if a is None or b is None \
