@@ -166,7 +166,8 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
     waits for each step's round trip (no coalescing: one XADD per event); `free_running` lets
     steps queue up while a round trip is in flight (merged into one tokens event per job)."""
     from producer.protocol import Keys, tokens_event
-    from worker.io_thread import Batch, EventWrite, Writer
+    from worker.batch import Batch, EventWrite
+    from worker.io_thread import Writer
 
     conn = redis.Redis.from_url(url, protocol=2)
     keys = Keys("genqbench")

@@ -77,7 +77,7 @@ class Quarantine:
         before = (counters["engine_failures"], counters["culprits"])
         log.error("engine.step() raised %s: %s; isolating the %d job(s) it was running (no "
                   "new jobs are read until that is done)", type(exc).__name__, exc,
-                  len(w.jobs), exc_info=exc)
+                  len(w.held.jobs), exc_info=exc)
         self._logged.add((type(exc).__name__, str(exc)))
         started = time.monotonic()
         self._failed(exc)
@@ -85,7 +85,7 @@ class Quarantine:
         log.info("isolation over in %.2f s: %d failed step(s), %d culprit(s) ended with "
                  "engine_error; %d job(s) held, %d left to re-run", time.monotonic() - started,
                  counters["engine_failures"] - before[0], counters["culprits"] - before[1],
-                 len(w.jobs), sum(len(g) for g in self.groups))
+                 len(w.held.jobs), sum(len(g) for g in self.groups))
 
     # ------------------------------------------------------------------ the isolation's steps
 
@@ -110,7 +110,7 @@ class Quarantine:
                 continue
             if self.behind:
                 self._resume_streams()
-            w._emit(outputs)
+            w.held.emit(outputs)
             w._stats = engine.stats()
             w._wait_for_writer()
 
@@ -122,13 +122,13 @@ class Quarantine:
         self._streak = self._streak + 1 if steps == self._steps_at_failure else 1
         self._steps_at_failure = steps
         parked = {entry for group in self.groups for entry in group}
-        suspects = [entry for entry in w.jobs if entry not in parked]  # the jobs in the engine
+        suspects = [entry for entry in w.held.jobs if entry not in parked]  # the jobs in the engine
         self.engine.abort_all()  # (rebuilds what a step that raised half-way left inconsistent)
         if self._streak > _MAX_STREAK:
             raise EngineBroken(f"engine.step() failed {self._streak} times in a row without a "
                                f"successful step ({_describe(exc)})")
         if len(suspects) == 1:
-            self._convict(w.jobs[suspects[0]], exc)
+            self._convict(w.held.jobs[suspects[0]], exc)
         elif suspects:
             half = (len(suspects) + 1) // 2
             self.groups.appendleft(suspects[half:])
@@ -138,18 +138,18 @@ class Quarantine:
         """Put one group of suspects into the (empty) engine, each from its first token."""
         w = self.worker
         for entry in group:
-            job = w.jobs.get(entry)
+            job = w.held.jobs.get(entry)
             if job is None:
                 continue  # ended while it waited (cancel, deadline, reclaimed by another worker)
             decided = w.admission.admit(entry, job.fields, job.deliveries)
             if isinstance(decided, Rejection):  # e.g. its deadline passed while it waited
-                w._end_early(job, decided.code, decided.message)
+                w.held.end_early(job, decided.code, decided.message)
                 continue
             self._rewind(job, decided.params)
             try:
                 self.engine.add_request(entry, decided.prompt, decided.params)
             except Exception as exc:  # it was added once already; do not retry it
-                w._end_early(job, "engine_error", _verdict(exc))
+                w.held.end_early(job, "engine_error", _verdict(exc))
 
     def _rewind(self, job: ActiveJob, params: SamplingParams) -> None:
         """Forget what the job's last run produced; the re-run streams only past what its client
@@ -162,12 +162,12 @@ class Quarantine:
         if entry in self.behind:
             job.stream_tokens = False
         job.token_ids, job.texts, job.top_logprobs, job.logprob_rows = {}, {}, {}, {}
-        self.worker._last_tokens_at.pop(entry, None)
+        self.worker.held.last_tokens_at.pop(entry, None)
 
     def _resume_streams(self) -> None:
         """Before a step's events are built: a re-run that caught up with what its client has
         streams again, from exactly that position (one token per sequence per step)."""
-        jobs = self.worker.jobs
+        jobs = self.worker.held.jobs
         for entry, had in list(self.behind.items()):
             job = jobs.get(entry)
             if job is None:
@@ -185,7 +185,7 @@ class Quarantine:
                     "engine_error (%s)", job.job_id, job.entry_id, _describe(exc))
         self.behind.pop(job.entry_id, None)
         self.worker.counters["culprits"] += 1
-        self.worker._end_early(job, "engine_error", _verdict(exc))
+        self.worker.held.end_early(job, "engine_error", _verdict(exc))
 
     def _probe(self, exc: Exception) -> None:
         """Run a tiny greedy request of our own, alone: if it fails too, the engine is broken."""
@@ -211,11 +211,11 @@ class Quarantine:
         parked = sum(len(g) for g in self.groups)
         if key in self._logged:
             log.warning("engine.step() raised again (%s) with %d suspect(s) in the engine, %d "
-                        "waiting", _describe(exc), len(self.worker.jobs) - parked, parked)
+                        "waiting", _describe(exc), len(self.worker.held.jobs) - parked, parked)
             return
         self._logged.add(key)
         log.warning("engine.step() raised %s with %d suspect(s) in the engine, %d waiting",
-                    _describe(exc), len(self.worker.jobs) - parked, parked, exc_info=exc)
+                    _describe(exc), len(self.worker.held.jobs) - parked, parked, exc_info=exc)
 
 
 def _describe(exc: BaseException) -> str:

@@ -42,7 +42,8 @@ from typing import Any, TypeVar
 import msgpack
 import redis
 
-from worker.io_thread import Batch, EventWrite, FinishWrite, Writer
+from worker.batch import Batch, EventWrite, FinishWrite
+from worker.io_thread import Writer
 
 T = TypeVar("T")
 log = logging.getLogger("genq.worker")

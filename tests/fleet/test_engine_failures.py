@@ -103,7 +103,7 @@ class ThreadWorker:
     def idle(self) -> dict[str, Any] | None:
         """The engine's stats once the worker holds nothing (else None)."""
         w = self.worker
-        if w.jobs or w.finishing or w.engine.has_unfinished():
+        if len(w.held) or w.engine.has_unfinished():
             return None
         return dict(w.engine.stats())
 
@@ -309,16 +309,16 @@ def test_a_job_whose_events_cannot_be_built_ends_with_engine_error_and_the_other
         offline: Callable[..., list[Expected]], monkeypatch: pytest.MonkeyPatch) -> None:
     """The step is fine but turning one job's output into events raises (in the worker, after
     the engine): that job ends with engine_error, its terminal event last in its stream."""
-    import worker.loop
+    import worker.held
 
-    real = worker.loop.token_events
+    real = worker.held.token_events
 
     def failing(job: Any, output: Any) -> Any:
         if job.spec.params.get("seed") == MARK and sum(map(len, job.token_ids.values())) >= 3:
             raise ZeroDivisionError("no events for this one")
         return real(job, output)
 
-    monkeypatch.setattr(worker.loop, "token_events", failing)
+    monkeypatch.setattr(worker.held, "token_events", failing)
     good = GOOD[:3]
     expected = offline([p for p, _ in good], [params for _, params in good])
     jobs = submit(redis_server, [good[0], poisoned(MARK), good[1], good[2]])

@@ -15,15 +15,8 @@ from producer.protocol import (
     tokens_event,
 )
 from tests.fleet.harness import RedisServer
-from worker.io_thread import (
-    Batch,
-    EventWrite,
-    FinishWrite,
-    Writer,
-    coalesce,
-    finish_args,
-    finish_keys,
-)
+from worker.batch import Batch, EventWrite, FinishWrite, coalesce, finish_args, finish_keys
+from worker.io_thread import Writer
 from worker.scripts import FENCE_TTL_S, Scripts
 
 KEYS = Keys()
