@@ -14,6 +14,7 @@ from redis import TimeoutError as RedisTimeoutError
 from producer.client import (
     BLOCK_MS,
     DEFAULT_URL,
+    REPLY_READ_COUNT,
     ClientSettings,
     JobError,
     Messages,
@@ -23,10 +24,9 @@ from producer.client import (
     result_from_events,
 )
 from producer.protocol import (
-    REPLY_FIELD,
     SUBMIT_LUA,
     as_str,
-    decode_event,
+    decode_reply_entry,
 )
 from producer.replies import ReplyDeduper
 from producer.results import reply_expired_async
@@ -140,7 +140,8 @@ class AsyncJob:
             block = BLOCK_MS if end is None else int(max(1, min(BLOCK_MS,
                                                                 (end - time.monotonic()) * 1000)))
             try:
-                resp = await conn.xread({self.reply_key: last_id}, count=512, block=block)
+                resp = await conn.xread({self.reply_key: last_id}, count=REPLY_READ_COUNT,
+                                        block=block)
                 backoff = 0.05
             except (RedisConnectionError, RedisTimeoutError):
                 await asyncio.sleep(backoff)
@@ -150,10 +151,13 @@ class AsyncJob:
             for _key, entries in entries_by_key:
                 for entry_id, fields in entries:
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    yield decode_event(fields[REPLY_FIELD.encode()])
+                    yield decode_reply_entry(fields)
             if not entries_by_key and last_id == "0-0" and await self._expired():
                 raise ResultExpired(self.id)
-            if end is not None and time.monotonic() >= end:
+            caught_up = sum(len(entries) for _key, entries in entries_by_key) < REPLY_READ_COUNT
+            if end is not None and time.monotonic() >= end and caught_up:
+                # (a stream read in full batches is read on: a job that ended in time is not
+                # reported late for the entries in front of its end)
                 raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")
 
     async def _expired(self) -> bool:

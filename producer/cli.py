@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from producer.flags import add_redis_args
-from producer.protocol import Keys, ProtocolError, as_str, decode_heartbeat
+from producer.protocol import Keys, ProtocolError, as_str, decode_heartbeat, waiting_entries
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("producer.cli:submit_main", "submit one job and stream its text"),
@@ -121,9 +121,10 @@ def submit_main(argv: list[str]) -> int:
             job.cancel()
             print(f"\ngenq submit: cancelled job {job.id}", file=sys.stderr)
             return 130
-        except TimeoutError as exc:
+        except TimeoutError as exc:  # nobody waits for it any more: it stops (as on Ctrl-C)
+            job.cancel()
             hint = f" ({unserved})" if unserved else ""
-            print(f"\ngenq submit: {exc}{hint}", file=sys.stderr)
+            print(f"\ngenq submit: {exc}{hint}; cancelled it", file=sys.stderr)
             return 1
     return 0
 
@@ -226,9 +227,12 @@ def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
                   for g in conn.xinfo_groups(key)}
         group = groups.get(keys.group, {})
         length = conn.xlen(key)
+        pending = int(group.get("pending", 0))
         rows.append({"model": model, "length": length,
-                     "lag": group.get("lag") if group else length,  # no reader yet: all of it
-                     "pending": group.get("pending", 0), "dead": conn.xlen(keys.dead(model)),
+                     # (no group yet: no reader yet, all of it waits)
+                     "lag": waiting_entries(group.get("lag"), pending, length) if group
+                     else length,
+                     "pending": pending, "dead": conn.xlen(keys.dead(model)),
                      "consumers": live_consumers(conn, keys, model) if group else 0})
     return rows
 

@@ -51,7 +51,14 @@ from producer.gateway_fleet import (
 )
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
-from producer.protocol import DEFAULT_PREFIX, Keys, Limits, ProtocolError, check_limits
+from producer.protocol import (
+    DEFAULT_PREFIX,
+    Keys,
+    Limits,
+    ProtocolError,
+    check_job_bytes,
+    check_limits,
+)
 
 T = TypeVar("T")
 JOB_ID_HEADER = "Genq-Job-Id"
@@ -102,17 +109,23 @@ class Gateway:
         """Check everything a producer can, then enqueue one job per prompt -> job ids. A chat
         (`messages`, prompts empty) is one job; the worker applies the model's chat template.
         Without `stream` the worker writes no tokens events (the answer needs only the end)."""
-        await self.fleet.require_model(model, self.cfg.max_queue_depth)
-        base = request.headers.get(JOB_ID_HEADER) or uuid.uuid4().hex
+        given = request.headers.get(JOB_ID_HEADER)
+        base = given or uuid.uuid4().hex
         inputs: list[tuple[str | list[int] | None, list[dict[str, str]] | None]] = (
             [(None, messages)] if messages is not None else [(p, None) for p in prompts])
         ids = [base] if len(inputs) == 1 else [f"{base}-{k}" for k in range(len(inputs))]
+        # A retry or a resume (the Genq-Job-Id of jobs submitted already) enqueues nothing:
+        # the model's checks are for new work (a full queue, in which the job itself counts,
+        # must not refuse the client its own job, nor let a cut stream's cancel fire).
+        if given is None or not await self._all_submitted(ids):
+            await self.fleet.require_model(model, self.cfg.max_queue_depth)
         deadline = time.time() + self.cfg.timeout_s
         specs = []
         for job_id, (prompt, chat) in zip(ids, inputs, strict=True):
             try:
                 spec = make_job_spec(prompt, params, model, job_id, deadline, stream, chat)
                 check_limits(spec, self.cfg.limits)
+                check_job_bytes(spec, self.cfg.limits)  # (else the worker's too_large)
             except ProtocolError as exc:
                 raise GatewayError(400, exc.message, code=exc.code) from None
             specs.append(spec)
@@ -120,6 +133,13 @@ class Gateway:
             self._keep(spec.id)
             await self.redis.submit(spec)
         return ids
+
+    async def _all_submitted(self, job_ids: list[str]) -> bool:
+        try:
+            keys = [self.keys.idem(job_id) for job_id in job_ids]
+        except ProtocolError as exc:
+            raise GatewayError(400, f"{JOB_ID_HEADER}: {exc.message}", code=exc.code) from None
+        return int(await self.redis.conn.exists(*keys)) == len(keys)
 
     def _keep(self, job_id: str) -> None:
         """A request for a job that is due to be cancelled (its stream was cut) keeps it."""

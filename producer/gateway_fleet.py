@@ -25,18 +25,19 @@ from producer.client import (
     DEFAULT_CANCEL_TTL,
     DEFAULT_IDEMPOTENCY_TTL,
     DEFAULT_STREAM_TTL,
+    REPLY_READ_COUNT,
 )
 from producer.openai_schema import GatewayError
 from producer.protocol import (
     PROTOCOL_VERSION,
-    REPLY_FIELD,
     SUBMIT_LUA,
     JobSpec,
     Keys,
     ProtocolError,
-    decode_event,
     decode_heartbeat,
+    decode_reply_entry,
     encode_job_entry,
+    waiting_entries,
 )
 from producer.replies import ReplyDeduper
 from producer.results import reply_expired_async
@@ -122,7 +123,7 @@ class FleetView:
         return models
 
     async def queue_depth(self, model: str) -> int | None:
-        """Jobs of the model not finished: waiting for a worker (lag) + held by workers (pending).
+        """Jobs of the model not finished: waiting for a worker + held by workers (pending).
         None when the model has no job stream."""
         try:
             groups = await self.conn.xinfo_groups(self.keys.jobs(model))
@@ -131,7 +132,11 @@ class FleetView:
         for group in groups:
             name = group["name"]
             if (name.decode() if isinstance(name, bytes) else name) == self.keys.group:
-                return int(group.get("lag") or 0) + int(group.get("pending") or 0)
+                pending = int(group.get("pending") or 0)
+                lag = group.get("lag")
+                length = 0 if isinstance(lag, int) else \
+                    int(await self.conn.xlen(self.keys.jobs(model)))
+                return waiting_entries(lag, pending, length) + pending
         return int(await self.conn.xlen(self.keys.jobs(model)))
 
     async def require_model(self, model: str, max_queue_depth: int) -> None:
@@ -198,7 +203,8 @@ class JobReader:
         while True:
             block = int(max(1, min(BLOCK_MS, (end - time.monotonic()) * 1000)))
             try:
-                resp: Any = await self.conn.xread({self.reply_key: last}, count=512, block=block)
+                resp: Any = await self.conn.xread({self.reply_key: last},
+                                                  count=REPLY_READ_COUNT, block=block)
                 backoff = 0.05
             except (RedisConnectionError, RedisTimeoutError):
                 # Redis is down: a refused connect fails at once, so wait before the next try
@@ -211,7 +217,13 @@ class JobReader:
                     last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
                     if self.created is None:
                         self.created = _entry_key(last)[0] // 1000
-                    out = dedupe.feed(decode_event(fields[REPLY_FIELD.encode()]))
+                    try:
+                        event = decode_reply_entry(fields)
+                    except ProtocolError as exc:  # not a worker's writing: nothing to relay
+                        raise GatewayError(502, f"job {self.job_id}: its reply stream holds an "
+                                           f"entry that is not a genq event ({exc.message})",
+                                           type_="server_error", code="bad_reply") from None
+                    out = dedupe.feed(event)
                     if self.after is None or _entry_key(last) > self.after:
                         for event in out:
                             yield last, event
@@ -223,7 +235,8 @@ class JobReader:
                 raise GatewayError(410, f"job {self.job_id} ended, but its reply stream has "
                                    "expired (the workers' --result-ttl); submit it under a new "
                                    "id to run it again", code="result_expired")
-            if time.monotonic() >= end:
+            read = sum(len(entries) for _key, entries in resp or [])
+            if time.monotonic() >= end and read < REPLY_READ_COUNT:  # (caught up: see Job)
                 raise GatewayError(504, f"job {self.job_id} did not finish within "
                                    f"{self.timeout_s:.0f} s", type_="timeout",
                                    code="deadline_exceeded")

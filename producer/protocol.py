@@ -32,6 +32,7 @@ PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "genq"
 CONSUMER_GROUP = "workers"
 REPLY_FIELD = "e"
+_REPLY_FIELD_BYTES = REPLY_FIELD.encode()
 MAX_NAME_LEN = 128
 DEFAULT_MAX_JOB_BYTES = 1 << 20
 DEFAULT_MAX_EVENT_BYTES = 64 << 20
@@ -121,6 +122,16 @@ class Keys:
 # --------------------------------------------------------------------------- type checks
 
 Check = Callable[[object], bool]
+
+
+def waiting_entries(lag: object, pending: int, length: int) -> int:
+    """Jobs in a model's stream no worker has read yet: the group's `lag` (XINFO GROUPS), or,
+    when Redis cannot tell (nil: an entry after the oldest pending one was deleted, as every
+    finished entry is), the stream's length less the pending entries (finished entries are
+    deleted, so the stream holds just the waiting and the held)."""
+    if isinstance(lag, int):
+        return lag
+    return max(0, length - pending)
 
 
 def _is_int(v: object) -> bool:
@@ -333,7 +344,7 @@ def decode_job_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes],
         payload = payload.encode()
     if len(payload) > max_job_bytes:
         raise ProtocolError("too_large", f"job payload is {len(payload)} bytes, over the limit of "
-                            f"{max_job_bytes}")
+                            f"{max_job_bytes}", _peek_id(payload))
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises a zoo of types on garbage
@@ -342,6 +353,22 @@ def decode_job_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes],
     if not isinstance(obj, dict):
         raise ProtocolError("wrong_type", f"job payload must be a map, got {type(obj).__name__}")
     return _job_from_map(obj), base
+
+
+def _peek_id(payload: bytes) -> str | None:
+    """The valid id of a job payload too large to decode, read without decoding the rest (the
+    other entries of its map are skipped, in C): the reply key of its too_large error. None
+    when the payload does not start as a job map or its id is not valid."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(payload))
+        unpacker.feed(payload)
+        for _ in range(min(unpacker.read_map_header(), len(_JOB_FIELDS))):
+            if unpacker.unpack() == "id":  # (first, as producers write it)
+                return validate_name(unpacker.unpack())
+            unpacker.skip()
+    except Exception:  # not a map, truncated, a bad id: no reply key to be had
+        return None
+    return None
 
 
 def _job_from_map(obj: dict[Any, Any]) -> JobSpec:
@@ -463,6 +490,15 @@ def check_limits(spec: JobSpec, limits: Limits) -> None:
         raise over(f"at most {limits.max_stop} stop_token_ids")
 
 
+def check_job_bytes(spec: JobSpec, limits: Limits) -> None:
+    """Raise ProtocolError("limit_exceeded") when the job's encoded payload is over
+    limits.max_job_bytes (a producer's check: the worker measures what it reads)."""
+    size = len(_pack(spec.to_wire()))
+    if size > limits.max_job_bytes:
+        raise ProtocolError("limit_exceeded", f"the job is {size} bytes encoded, over the cap of "
+                            f"{limits.max_job_bytes}", spec.id)
+
+
 # --------------------------------------------------------------------------- reply events
 
 def started_event(attempt: int, worker: str) -> dict[str, Any]:
@@ -536,6 +572,15 @@ def decode_event(data: bytes, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> dict[
             _check_map(out, _OUTPUT_FIELDS, "done output",
                        {"cumulative_logprob", "stop_reason", "logprobs"})
     return event
+
+
+def decode_reply_entry(fields: Mapping[bytes, bytes]) -> dict[str, Any]:
+    """The event of one reply-stream entry (its field 'e'). Raises ProtocolError."""
+    data = fields.get(_REPLY_FIELD_BYTES)
+    if data is None:
+        raise ProtocolError("missing_field", f"a reply entry needs the field {REPLY_FIELD!r} "
+                            f"(it has {', '.join(sorted(as_str(k) for k in fields)) or 'none'})")
+    return decode_event(data)
 
 
 def _check_map(obj: dict[Any, Any], spec: dict[str, tuple[Check, str]], what: str,

@@ -66,7 +66,12 @@ class Admission:
         self.keys = keys
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)  # logprobs' token strings
-        self.max_prompt_tokens = min(cfg.limits.max_prompt_tokens or max_model_len, max_model_len)
+        # (a prompt must leave room for one generated token: the engine refuses one that fills
+        # the context, and that refusal is the job's fault, not the engine's)
+        self.max_model_len = max_model_len
+        given = cfg.limits.max_prompt_tokens
+        self.max_prompt_tokens = min(given or max_model_len - 1, max_model_len - 1)
+        self._cap_is_the_models = given is None or given >= max_model_len
 
     def admit(self, entry_id: str, fields: dict[bytes, bytes], deliveries: int,
               now: float | None = None) -> Admitted | Rejection:
@@ -184,6 +189,8 @@ class Admission:
             short = num_bytes + _SPECIAL_TOKEN_ALLOWANCE <= self.max_prompt_tokens
             num_tokens = num_bytes if short else len(self.tokenizer.encode(prompt))
         if num_tokens > self.max_prompt_tokens:
+            why = f" (max_model_len {self.max_model_len} leaves room for one generated token)" \
+                if self._cap_is_the_models else ""
             raise ProtocolError("limit_exceeded", f"prompt has {num_tokens} tokens, over the "
-                                f"cap of {self.max_prompt_tokens}", spec.id)
+                                f"cap of {self.max_prompt_tokens}{why}", spec.id)
         return prompt

@@ -21,16 +21,12 @@ import redis
 
 from producer.protocol import as_str, encode_event
 from worker.batch import Batch, EventWrite, chunks, finish_args, finish_keys, merge
+from worker.reader import RETRYABLE
 from worker.scripts import Scripts
 
 log = logging.getLogger("genq.worker")
 _GONE_KEEP_S = 10.0
 _FENCE_RECHECK_S = 1.0  # the longest token writes go on without a full ownership check
-# Redis out of memory (maxmemory, noeviction) or a replica during a failover: refusals that pass,
-# retried as a lost connection is (dropping the write would leave a gap in the tokens, or a
-# finished job unacked and run again).
-_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
-              redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
 
 
 class Writer(threading.Thread):
@@ -139,7 +135,8 @@ class Writer(threading.Thread):
             try:
                 self._write(batch)
                 return
-            except _RETRYABLE as exc:
+            except RETRYABLE as exc:  # (dropping the write would leave a gap in the tokens,
+                # or a finished job unacked and run again)
                 self._fence_seen = ""  # Redis may have restarted: check ownership again
                 hint = " (Redis is out of memory: raise its maxmemory or free some)" \
                     if isinstance(exc, redis.exceptions.OutOfMemoryError) else ""

@@ -20,6 +20,8 @@ from typing import Any
 
 import redis
 
+from producer.protocol import waiting_entries
+
 log = logging.getLogger("genq.worker")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -333,8 +335,5 @@ class WorkerMetrics:
             if (name.decode() if isinstance(name, bytes) else name) != self.group:
                 continue
             pending = int(g.get("pending") or 0)
-            lag = g.get("lag")
-            # lag is None when Redis cannot tell (deletions); acked entries are deleted, so
-            # what is in the stream and not pending is waiting.
-            self.queue_lag.set(int(lag) if lag is not None else max(0, int(length) - pending))
+            self.queue_lag.set(waiting_entries(g.get("lag"), pending, int(length)))
             self.queue_pending.set(pending)

@@ -82,6 +82,8 @@ class Quarantine:
         started = time.monotonic()
         self._failed(exc)
         self._run()
+        # (re-runs that ended while still behind their clients: nothing more to resume)
+        self.behind = {e: had for e, had in self.behind.items() if e in w.held.jobs}
         log.info("isolation over in %.2f s: %d failed step(s), %d culprit(s) ended with "
                  "engine_error; %d job(s) held, %d left to re-run", time.monotonic() - started,
                  counters["engine_failures"] - before[0], counters["culprits"] - before[1],

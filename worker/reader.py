@@ -20,7 +20,11 @@ from worker.config import WorkerConfig
 from worker.scripts import FENCE_TTL_S, Scripts
 
 log = logging.getLogger("genq.worker")
-RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
+# Refusals that pass, retried as a lost connection is: Redis loading its data, out of memory
+# (maxmemory, noeviction), or a replica (a failover demoted it; the name moves to the new
+# primary). (The last two are ResponseErrors: catch RETRYABLE first.)
+RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
+             redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
 Entry = tuple[str, dict[bytes, bytes], int]  # entry id, fields, deliveries (fencing token)
 
 
@@ -51,14 +55,6 @@ class JobReader:
                                              count=count,
                                              block=block_ms)
             self._backoff = 0.05
-        except redis.ResponseError as exc:
-            # NOGROUP: the group is gone (Redis lost its data); UNBLOCKED: the stream key was
-            # deleted (DEL, FLUSHALL) under a blocked read. Either way: re-create, read again.
-            if "NOGROUP" not in str(exc) and not str(exc).startswith("UNBLOCKED"):
-                raise
-            log.warning("the job stream or its group is gone (%s); re-creating it", exc)
-            self.ensure_group(wait=False)
-            return []
         except RETRYABLE as exc:
             # Redis may have handed us entries whose reply never arrived: Loop adopts them.
             self.failed = True
@@ -67,6 +63,16 @@ class JobReader:
             if block:
                 time.sleep(self._backoff)
             self._backoff = min(self._backoff * 2, 2.0)
+            return []
+        except redis.ResponseError as exc:
+            # NOGROUP: the group is gone (Redis lost its data); UNBLOCKED: the stream key was
+            # deleted (DEL, FLUSHALL) or the server became a replica under a blocked read.
+            # Either way: re-create (or wait for a primary), read again.
+            if "NOGROUP" not in str(exc) and not str(exc).startswith("UNBLOCKED"):
+                raise
+            log.warning("the job stream or its group is gone (%s); re-creating it", exc)
+            self.failed = True
+            self.ensure_group(wait=False)
             return []
         entries: Any = resp or []
         return [(as_str(eid), fields, 1) for _key, items in entries for eid, fields in items]
@@ -141,12 +147,10 @@ class JobReader:
                 self.conn.xgroup_create(self.jobs_key, self.keys.group, id="0", mkstream=True)
                 self.conn.expire(self.jobs_key, self.cfg.stream_ttl)
                 return True
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" in str(exc):
-                    return True
-                raise
             except RETRYABLE as exc:
                 if not wait:
+                    log.warning("re-creating the job stream's group failed (%s); the next "
+                                "read tries again", exc)
                     return False
                 log.warning("waiting for Redis: %s", exc)
                 if stop is None:
@@ -154,6 +158,10 @@ class JobReader:
                 elif stop.wait(backoff):
                     return False
                 backoff = min(backoff * 2, 2.0)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" in str(exc):
+                    return True
+                raise
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:

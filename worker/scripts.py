@@ -14,6 +14,7 @@ import redis
 
 # A fence counter outlives any attempt it guards (it is bumped at every claim from its worker).
 FENCE_TTL_S = 7 * 24 * 3600
+DEAD_LETTER_MAXLEN = 10_000  # per model (FINISH_LUA)
 
 # The fencing tokens this worker holds: entry id -> delivery count, from ONE XPENDING over its
 # own pending entries (one call per script run instead of one per job). Its pending entries are
@@ -89,6 +90,8 @@ return {fence, lost}
 #       index = msgpack [[entry id, deliveries, event length, dead fields, re-add fields], ...]
 #       (field lists flat: name, value, ...; one per finish, same order),
 #       blob = the terminal events concatenated (length 0: no event).
+# The dead-letter stream keeps about the newest DEAD_LETTER_MAXLEN letters (MAXLEN ~: each may
+# hold a raw job of up to --max-job-bytes; a trickle of bad jobs must not grow it without end).
 # A job's terminal event also marks its idempotency key (if it is still there: SET XX KEEPTTL)
 # 'ended': a client that finds no reply stream and that mark knows the result expired instead
 # of waiting for a job that will never write again (producer/client.py ResultExpired). (A worker
@@ -97,7 +100,9 @@ return {fence, lost}
 # Each entry's owner is checked on its own (XPENDING of that one id: a few finishes among many
 # held entries cost a few lookups, not a walk over all of them); no fence counter shortcut here.
 # Returns per finish 1 when written, 0 when the entry is no longer this worker's.
-FINISH_LUA = """
+FINISH_LUA = f"""
+local DEAD_LETTER_MAXLEN = {DEAD_LETTER_MAXLEN}
+""" + """
 local group, me, ttl, dead_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local index = cmsgpack.unpack(ARGV[5])
 local blob = ARGV[6]
@@ -122,7 +127,7 @@ for i = 1, m do
       end
     end
     if #f[4] > 0 then
-      redis.call('XADD', KEYS[2], '*', unpack(f[4]))
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', DEAD_LETTER_MAXLEN, '*', unpack(f[4]))
       redis.call('EXPIRE', KEYS[2], dead_ttl)
     end
     if #f[5] > 0 then

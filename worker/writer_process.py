@@ -9,7 +9,10 @@ whose forward pass dominates, 28-51k either way.
 WriterProcess, on the worker's side, has the writer thread's interface (submit, backlog, flush,
 check, stop, the `lost` and `finished` queues). The child's feedback is read when the loop asks
 (backlog, check, flush: non-blocking reads of the pipe), not by a thread: a thread woken by
-every write's feedback took the GIL from the engine's thread at each step.
+every write's feedback took the GIL from the engine's thread at each step. Likewise a submit
+never blocks: what the pipe to the child cannot take now waits in the worker and goes in as the
+child reads (so a worker stopping while Redis is down, the child stuck retrying, still stops
+within its flush timeout however much it hands back).
 The child is `python -m worker.writer_process`: it imports redis and msgpack, never torch, and
 dies with the worker (PR_SET_PDEATHSIG, and the end of its input).
 
@@ -68,7 +71,12 @@ class WriterProcess:
         # The child's feedback is read by whoever asks (poll): no thread of ours wakes at every
         # write to take the GIL from the engine's.
         self._poll_lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.RLock()  # (_send holds it around _pump)
+        # Frames not yet in the pipe: a submit never waits for room in it (the child may be
+        # stuck retrying Redis and read nothing for minutes); what waits here goes in as the
+        # child reads (poll). The loop's wait on backlog() bounds it, as it bounds the pipe.
+        self._out = bytearray()
+        self._in_fd = -1
         self._proc: subprocess.Popen[bytes] | None = None
         self._feedback: Frames | None = None
         self._stopping = False
@@ -83,7 +91,8 @@ class WriterProcess:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         with contextlib.suppress(OSError):  # (a smaller pipe only blocks sooner)
             fcntl.fcntl(self._proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        os.set_blocking(self._proc.stdin.fileno(), False)  # (a full pipe: _send)
+        self._in_fd = self._proc.stdin.fileno()
+        os.set_blocking(self._in_fd, False)  # (a full pipe: the frames wait in _out)
         self._feedback = Frames(self._proc.stdout.fileno())
         self._send(msgpack.packb(self.config))
 
@@ -97,10 +106,7 @@ class WriterProcess:
         if not batch:
             return
         self._submitted += 1
-        try:
-            self._send(msgpack.packb([batch.events, batch.finishes]))
-        except OSError as exc:  # the child is gone; its exit is reported by the feedback
-            self._fail(RuntimeError(f"the writer process does not take writes: {exc}"))
+        self._send(msgpack.packb([batch.events, batch.finishes]))
 
     def backlog(self) -> int:
         self.poll()
@@ -128,11 +134,13 @@ class WriterProcess:
         if proc is None:
             return
         self._stopping = True
+        end = time.monotonic() + timeout
         with contextlib.suppress(OSError):
             self._send(b"")
+            while self._out and self._feedback is not None and time.monotonic() < end:
+                self.poll(min(0.05, max(end - time.monotonic(), 0)))
             assert proc.stdin is not None
             proc.stdin.close()
-        end = time.monotonic() + timeout
         while self._feedback is not None and time.monotonic() < end:  # its last feedback
             self.poll(min(0.05, max(end - time.monotonic(), 0)))
         try:
@@ -155,8 +163,10 @@ class WriterProcess:
             frames = self._feedback
             if frames is None:
                 return
-            if timeout > 0 and not frames.ready(timeout):
-                return
+            if timeout > 0:
+                self._wait(frames, timeout)
+            if self._out:
+                self._pump()
             batch = frames.take_ready()
             if batch is None:  # the end of its output: it exited
                 self._feedback = None
@@ -180,23 +190,32 @@ class WriterProcess:
         self.num_events_written = msg["w"]
 
     def _send(self, payload: bytes) -> None:
-        """Write one frame. While the pipe to the child is full, take in its feedback: the
-        child may be waiting for room in the pipe back before it reads on (and nobody else
-        reads that pipe)."""
-        assert self._proc is not None and self._proc.stdin is not None
-        data = memoryview(_HEADER.pack(len(payload)) + payload)
-        fd = self._proc.stdin.fileno()
+        """Queue one frame for the child and put what the pipe takes in it now."""
         with self._send_lock:
-            while data:
-                try:
-                    data = data[os.write(fd, data):]
-                except BlockingIOError:
-                    self.poll()
-                    waiter = select.poll()  # (poll, not select: any fd number)
-                    waiter.register(fd, select.POLLOUT)
-                    if self._feedback is not None:
-                        waiter.register(self._feedback.fd, select.POLLIN)
-                    waiter.poll(50)
+            self._out += _HEADER.pack(len(payload))
+            self._out += payload
+            self._pump()
+
+    def _pump(self) -> None:
+        """Write what waits in _out while the pipe to the child has room (never blocks)."""
+        with self._send_lock:
+            out = self._out
+            try:
+                while out:
+                    del out[:os.write(self._in_fd, out)]
+            except BlockingIOError:
+                pass  # full: the rest goes in as the child reads (poll)
+            except OSError as exc:  # the child is gone; its exit is reported by the feedback
+                out.clear()
+                self._fail(RuntimeError(f"the writer process does not take writes: {exc}"))
+
+    def _wait(self, frames: Frames, timeout: float) -> None:
+        """Wait up to `timeout` for feedback, or for room in the pipe while frames wait."""
+        waiter = select.poll()  # (poll, not select: any fd number)
+        waiter.register(frames.fd, select.POLLIN)
+        if self._out:
+            waiter.register(self._in_fd, select.POLLOUT)
+        waiter.poll(timeout * 1000)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:

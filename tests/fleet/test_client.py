@@ -103,6 +103,51 @@ def test_result_times_out_without_terminal_event(redis_server: RedisServer) -> N
         Client(redis_server.url).job("j5").result(timeout=0.3)
 
 
+def test_a_job_that_ended_in_time_is_not_timed_out_by_a_long_stream(
+        redis_server: RedisServer) -> None:
+    """3,000 entries before the end (six full reads) and a timeout shorter than reading them:
+    the deadline is only checked once the reads have caught up, so the result comes back."""
+    conn = redis_server.client()
+    pipe = conn.pipeline(transaction=False)
+    pipe.xadd(KEYS.reply("long"), {REPLY_FIELD: encode_event(started_event(1, "w"))})
+    for pos in range(3000):
+        pipe.xadd(KEYS.reply("long"), {REPLY_FIELD: encode_event(
+            tokens_event(1, 0, pos, [pos % 7], "x"))})
+    pipe.xadd(KEYS.reply("long"), {REPLY_FIELD: encode_event(done(1, [pos % 7 for pos in
+                                                                     range(3000)]))})
+    pipe.execute()
+    want = [pos % 7 for pos in range(3000)]
+    assert Client(redis_server.url).job("long").result(timeout=0.001)["outputs"][0][
+        "token_ids"] == want
+
+    async def scenario() -> list[object]:
+        async with AsyncClient(redis_server.url) as client:
+            one = await client.job("long").result(timeout=0.001)
+            many = await client.results([client.job("long")] * 3, timeout=0.001)
+            return [r["outputs"][0]["token_ids"] for r in [one, *many]]
+
+    assert asyncio.run(scenario()) == [want] * 4
+
+
+def test_a_reply_entry_that_is_not_an_event_is_a_protocol_error(
+        redis_server: RedisServer) -> None:
+    """(Not a worker's writing: e.g. an app's XADD to the wrong key.)"""
+    conn = redis_server.client()
+    conn.xadd(KEYS.reply("odd"), {"note": "hello"})
+    with pytest.raises(ProtocolError) as exc:
+        Client(redis_server.url).job("odd").result(timeout=5)
+    assert (exc.value.code, exc.value.message) == (
+        "missing_field", "a reply entry needs the field 'e' (it has note)")
+
+    async def scenario() -> None:
+        async with AsyncClient(redis_server.url) as client:
+            await client.job("odd").result(timeout=5)
+
+    with pytest.raises(ProtocolError) as aexc:
+        asyncio.run(scenario())
+    assert aexc.value.code == "missing_field"
+
+
 def test_stream_resumes_after_redis_restarts(redis_server: RedisServer) -> None:
     write(redis_server, "j6", started_event(1, "a"), tokens_event(1, 0, 0, [1], "a"))
     seen: list[dict[str, object]] = []

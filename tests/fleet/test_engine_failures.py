@@ -197,6 +197,7 @@ def test_a_poisoned_job_ends_with_engine_error_and_every_other_job_matches_offli
     # {g0..g4 P} fails -> {g0 g1 g2} passes, {g3 g4 P} fails -> {g3 g4} passes, {P} fails.
     counters = tw.worker.counters
     assert (counters["engine_failures"], counters["culprits"]) == (3, 1)
+    assert tw.worker.quarantine.behind == {}  # (every re-run ended: nothing left to resume)
     tracebacks = [r for r in caplog.records if r.exc_info and "poisoned row" in r.getMessage()]
     assert len(tracebacks) == 1  # logged once with its traceback, then one line per failure
     # The worker serves on: new jobs, the same outputs as offline.
@@ -262,6 +263,32 @@ def test_an_engine_that_always_fails_exits_non_zero_and_another_worker_serves_it
         result = job.result(timeout=60)
         assert result["attempt"] == 2 and as_expected(result) == want
     assert_clean(redis_server, healthy)
+
+
+def test_a_prompt_that_fills_the_context_is_the_jobs_error_not_the_engines(
+        redis_server: RedisServer, tiny_llama: Path, thread_workers: list[ThreadWorker],
+        offline: Callable[..., list[Expected]]) -> None:
+    """A prompt of max_model_len tokens leaves no room to generate: admission refuses it as
+    limit_exceeded (the client's to fix, a 400 at the gateway), not as the engine's error; one
+    token shorter runs, and stops at the context with its one token."""
+    context = AutoConfig.from_pretrained(str(tiny_llama)).max_position_embeddings
+    client = Client(redis_server.url)
+    params = {"temperature": 0, "max_tokens": 4}
+    full = client.submit([5] * context, params, model="tiny")
+    fits = client.submit([5] * (context - 1), params, model="tiny")
+    tw = ThreadWorker(redis_server, tiny_llama, "inproc")
+    thread_workers.append(tw)
+    with pytest.raises(JobError) as exc:
+        full.result(timeout=60)
+    assert (exc.value.code, exc.value.message) == (
+        "limit_exceeded", f"prompt has {context} tokens, over the cap of {context - 1} "
+        f"(max_model_len {context} leaves room for one generated token)")
+    result = fits.result(timeout=60)
+    assert [(len(o["token_ids"]), o["finish_reason"]) for o in result["outputs"]] == [
+        (1, "length")]
+    assert as_expected(result) == offline([[5] * (context - 1)], params)[0]
+    assert tw.worker.counters["engine_failures"] == 0
+    assert_clean(redis_server, tw)
 
 
 def test_a_job_with_a_stop_token_outside_the_vocabulary_is_refused_by_a_genq_worker(

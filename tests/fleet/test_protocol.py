@@ -17,16 +17,19 @@ from producer.protocol import (
     Keys,
     Limits,
     ProtocolError,
+    check_job_bytes,
     check_job_spec,
     check_limits,
     decode_event,
     decode_job_entry,
+    decode_reply_entry,
     done_event,
     encode_event,
     encode_job_entry,
     error_event,
     started_event,
     tokens_event,
+    waiting_entries,
 )
 from producer.replies import ReplyDeduper
 from tests.fleet.harness import REPO
@@ -114,7 +117,53 @@ def test_oversized_payload_is_rejected_before_decoding() -> None:
     big = entry({**JOB, "prompt": "x" * 2000})
     with pytest.raises(ProtocolError) as exc:
         decode_job_entry(big, max_job_bytes=1000)
-    assert exc.value.code == "too_large"
+    size = len(big[b"job"])
+    assert (exc.value.code, exc.value.message, exc.value.job_id) == (
+        "too_large", f"job payload is {size} bytes, over the limit of 1000", JOB["id"])
+
+
+@pytest.mark.parametrize("payload, job_id", [
+    ({"model": "tiny", "prompt": "x" * 2000, "id": "late-id"}, "late-id"),  # (not first)
+    ({"id": "a b", "prompt": "x" * 2000}, None),  # not a valid id: no reply key
+    ({"prompt": "x" * 2000}, None),
+    (["id", "x" * 2000], None),  # not a map
+])
+def test_an_oversized_payload_names_its_job_when_it_can(payload: object,
+                                                        job_id: str | None) -> None:
+    """Read without decoding the rest: the worker can answer on the job's reply stream."""
+    with pytest.raises(ProtocolError) as exc:
+        decode_job_entry({b"v": b"1", b"job": msgpack.packb(payload)}, max_job_bytes=1000)
+    assert (exc.value.code, exc.value.job_id) == ("too_large", job_id)
+
+
+def test_a_producer_can_check_the_encoded_size_before_enqueueing() -> None:
+    spec = dataclasses.replace(GOOD, prompt=None, prompt_token_ids=list(range(1000, 3000)))
+    size = len(encode_job_entry(spec)["job"])
+    with pytest.raises(ProtocolError) as exc:
+        check_job_bytes(spec, Limits(max_job_bytes=size - 1))
+    assert (exc.value.code, exc.value.message, exc.value.job_id) == (
+        "limit_exceeded", f"the job is {size} bytes encoded, over the cap of {size - 1}",
+        "job-1")
+    check_job_bytes(spec, Limits(max_job_bytes=size))  # at the cap: fine
+
+
+@pytest.mark.parametrize("lag, pending, length, waiting", [
+    (7, 3, 10, 7),  # Redis knows
+    (None, 3, 10, 7),  # Redis cannot tell: the stream less what is held
+    (None, 3, 2, 0),  # (trimmed below the pending count: none waits)
+])
+def test_waiting_entries_from_the_group_lag_or_the_stream_length(
+        lag: int | None, pending: int, length: int, waiting: int) -> None:
+    assert waiting_entries(lag, pending, length) == waiting
+
+
+def test_a_reply_entry_without_its_event_field_is_a_protocol_error() -> None:
+    assert decode_reply_entry({b"e": encode_event(started_event(1, "w"))}) == \
+        started_event(1, "w")
+    with pytest.raises(ProtocolError) as exc:
+        decode_reply_entry({b"x": b"1", b"y": b"2"})
+    assert (exc.value.code, exc.value.message) == (
+        "missing_field", "a reply entry needs the field 'e' (it has x, y)")
 
 
 @settings(max_examples=300, deadline=None)

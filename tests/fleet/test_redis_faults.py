@@ -49,6 +49,33 @@ def test_an_idle_worker_survives_its_job_stream_deleted_and_redis_flushed(
     assert "re-creating it" in worker.output()
 
 
+def test_a_worker_whose_redis_turns_replica_waits_for_a_primary_and_serves_again(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path, offline: Oracle,
+        tmp_path: Path) -> None:
+    """A failover demotes the worker's Redis to a replica (REPLICAOF: the blocked read is
+    UNBLOCKED, then every write answers READONLY): the worker retries as for a lost
+    connection instead of dying, and serves again once the server is a primary."""
+    (tmp_path / "primary").mkdir()
+    primary = RedisServer(tmp_path / "primary")
+    primary.start()
+    try:
+        worker = workers.start(redis_server.url, tiny_llama, "w1")
+        wait_heartbeats(redis_server, [worker])
+        conn = redis_server.client()
+        conn.execute_command("REPLICAOF", "127.0.0.1", str(primary.port))
+        wait_for(lambda: "reading jobs failed (You can't write against a read only replica" in
+                 worker.output(), timeout=30, what="a retried READONLY read")
+        time.sleep(1.0)
+        assert worker.alive(), worker.output()[-3000:]
+        conn.execute_command("REPLICAOF", "NO", "ONE")  # (it took the primary's empty data)
+        prompt = corpus(1, seed=14)
+        result = Client(redis_server.url).submit(prompt[0], GREEDY, model="tiny").result(60)
+        assert as_expected(result) == offline(prompt, GREEDY)[0]
+        assert worker.alive()
+    finally:
+        primary.kill()
+
+
 def test_writes_refused_while_redis_is_out_of_memory_land_once_it_has_room(
         redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
         offline: Oracle) -> None:

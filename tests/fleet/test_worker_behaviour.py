@@ -230,6 +230,8 @@ BAD_JOBS: list[tuple[str, dict[str, Any], str]] = [
     ("token id out of vocab", {"prompt": None, "prompt_token_ids": [10**9]}, "bad_prompt"),
     ("stop token id out of vocab", {"params": {"stop_token_ids": [10**9]}}, "invalid_params"),
     ("empty prompt", {"prompt": ""}, "bad_prompt"),
+    # (over --max-job-bytes, 1 MiB: refused before decoding, answered on its id's stream)
+    ("payload over the job byte cap", {"prompt": "x" * (1 << 20)}, "too_large"),
 ]
 
 
@@ -386,9 +388,14 @@ def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProc
     table = genq("status", "--redis", server.url).stdout
     assert "solo" in table and "heartbeat_age_s" in table and "prefix_hits" in table
     # A model no live worker serves: the job waits (it is not refused), and the CLI says why.
-    lost = genq("submit", "x", "--model", "nobody", "--timeout", "0.5", "--redis", server.url)
+    lost = genq("submit", "x", "--model", "nobody", "--timeout", "0.5", "--job-id", "lost-1",
+                "--redis", server.url)
     warning = "no live worker serves 'nobody' (live workers serve: tiny)"
     assert lost.returncode == 1 and lost.stderr.count(warning) == 2, lost.stderr
+    # Given up on: cancelled, so a worker that starts later does not run it for no one.
+    assert lost.stderr.rstrip().endswith(f"({warning}; the job waits in its queue until one "
+                                         "starts); cancelled it"), lost.stderr
+    assert server.client().exists(KEYS.cancel("lost-1")) == 1
     status = json.loads(genq("status", "--json", "--redis", server.url).stdout)
     assert [(q["model"], q["length"], q["lag"], q["consumers"]) for q in status["queues"]] == [
         ("nobody", 1, 1, 0), ("tiny", 0, 0, 1)]

@@ -17,7 +17,7 @@ from producer.protocol import (
 from tests.fleet.harness import RedisServer
 from worker.batch import Batch, EventWrite, FinishWrite, coalesce, finish_args, finish_keys
 from worker.io_thread import Writer
-from worker.scripts import FENCE_TTL_S, Scripts
+from worker.scripts import DEAD_LETTER_MAXLEN, FENCE_TTL_S, Scripts
 
 KEYS = Keys()
 JOBS = KEYS.jobs("m")
@@ -313,3 +313,31 @@ def test_gone_attempts_are_forgotten_ten_seconds_after_their_last_mark() -> None
     assert list(writer._gone) == [("1-0", 1)] and writer._gone_ids == {"1-0": 1}
     writer._forget_gone(now=115.5)
     assert writer._gone == {} and writer._gone_ids == {}
+
+
+def test_the_dead_letter_stream_keeps_about_the_newest_ten_thousand(
+        redis_server: RedisServer) -> None:
+    """A trickle of bad jobs over days must not grow the dead-letter stream (each letter may
+    carry a raw job of up to --max-job-bytes) without end: MAXLEN ~ keeps the newest
+    DEAD_LETTER_MAXLEN, trimmed by whole stream nodes (100 entries each)."""
+    count = DEAD_LETTER_MAXLEN + 250
+    conn = redis_server.client()
+    conn.xgroup_create(JOBS, "workers", id="0", mkstream=True)
+    pipe = conn.pipeline(transaction=False)
+    for _ in range(count):
+        pipe.xadd(JOBS, {"v": b"1", "job": b"bad"})
+    pipe.execute()
+    got = conn.xreadgroup("workers", "me", {JOBS: ">"}, count=count)
+    entry_ids = [eid.decode() for eid, _ in got[0][1]]
+    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    for lo in range(0, count, 1000):
+        writer.write_batches([Batch(finishes=[
+            FinishWrite(eid, 1, None, None, dead_fields=["reason", "bad", "entry", eid])
+            for eid in entry_ids[lo:lo + 1000]])])
+    length = conn.xlen(KEYS.dead("m"))
+    assert DEAD_LETTER_MAXLEN <= length < DEAD_LETTER_MAXLEN + 100
+    newest = conn.xrevrange(KEYS.dead("m"), count=1)[0][1]
+    oldest = conn.xrange(KEYS.dead("m"), count=1)[0][1]
+    assert newest[b"entry"].decode() == entry_ids[-1]
+    assert oldest[b"entry"].decode() == entry_ids[count - length]
+    assert conn.xlen(JOBS) == 0  # (every entry acked and deleted)

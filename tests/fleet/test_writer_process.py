@@ -122,8 +122,8 @@ def test_submits_never_deadlock_on_feedback_the_loop_has_not_read(
         redis_server: RedisServer) -> None:
     """The loop reads the child's feedback only when it asks (backlog, check, flush). Large
     batches submitted back to back fill the pipe to the child while the child's feedback for the
-    batches before fills the pipe back: a submit that blocks takes in that feedback meanwhile,
-    so both sides go on. Every finish lands, in order."""
+    batches before fills the pipe back: a submit never blocks (what the pipe cannot take waits
+    in the worker), and the flush moves both. Every finish lands, in order."""
     import threading
 
     setup_group(redis_server, "me", 1)
@@ -145,3 +145,29 @@ def test_submits_never_deadlock_on_feedback_the_loop_has_not_read(
     writer.stop()
     assert writer.error is None
     assert drain(writer.finished) == [eid for batch_ids in ids for eid in batch_ids]
+
+
+def test_a_stop_while_redis_is_down_is_bounded_by_the_flush_timeout(
+        redis_server: RedisServer) -> None:
+    """Redis down, the child stuck retrying its write: a hand-back far larger than the pipe
+    (a draining worker's held jobs, payloads and all) is submitted at once, the flush gives up
+    at its timeout and the child is ended (the jobs stay pending: reclaimed, nothing lost)."""
+    import time
+
+    setup_group(redis_server, "me", 1)
+    writer = WriterProcess(redis_server.url, JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    writer.start()
+    redis_server.kill()
+    writer.submit(Batch(events=[EventWrite("1-1", 1, KEYS.reply("j"),
+                                           [started_event(1, "me")])]))
+    payload = b"p" * 10_000
+    start = time.monotonic()
+    writer.submit(Batch(finishes=[FinishWrite(f"2-{i}", 1, None, None,
+                                              readd_fields=[b"v", b"1", b"job", payload])
+                                  for i in range(400)]))  # 4 MB: four times the pipe
+    submitted = time.monotonic() - start
+    assert writer.flush(timeout=1.0) is False
+    flushed = time.monotonic() - start
+    writer.abandon()
+    assert submitted < 0.5 and flushed < 2.0, (submitted, flushed)
+    assert writer.backlog() == 2 and drain(writer.finished) == []
