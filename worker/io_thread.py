@@ -64,6 +64,7 @@ class Writer(threading.Thread):
         self._queue: queue.Queue[Batch | None] = queue.Queue()
         self._ttl_set_at: dict[str, float] = {}  # reply key -> when this writer last set its TTL
         self.error: BaseException | None = None
+        self._unwritable: set[str] = set()  # entries whose reply key is not a stream (logged)
         self.mark_ended = True  # idem keys' ended marks (FINISH_LUA); off if the ACL refuses
         self._abandoned = False
 
@@ -250,6 +251,8 @@ class Writer(threading.Thread):
             for entry_id, deliveries in check:  # (none at steady state)
                 if entry_id not in lost:
                     verified[entry_id] = deliveries
+            if result[2]:  # a reply key that is not a stream: once per attempt in the log
+                self._warn_unwritable(chunk, {as_str(e) for e in result[2]})
             if lost:  # rare: entries reclaimed from us
                 for w in chunk:
                     if w.entry_id in lost:
@@ -259,6 +262,12 @@ class Writer(threading.Thread):
                             del verified[w.entry_id]
                         self.lost.put((w.entry_id, w.deliveries))
         self.num_events_written += num_events
+        for fin, wrote in zip(batch.finishes, (w for r in results[len(calls):] for w in r),
+                              strict=True):
+            if wrote == 2:
+                log.warning("entry %s: its reply key %s is not a stream; the job is "
+                            "dead-lettered (code reply_unwritable) instead of ending there",
+                            fin.entry_id, fin.reply_key)
         for fin in batch.finishes:
             if fin.reply_key is not None:
                 ttl_at.pop(fin.reply_key, None)
@@ -268,7 +277,16 @@ class Writer(threading.Thread):
             self.finished.put(fin.entry_id)
         self._forget_gone(now)
 
+    def _warn_unwritable(self, chunk: list[EventWrite], entry_ids: set[str]) -> None:
+        for w in chunk:
+            if w.entry_id in entry_ids and w.entry_id not in self._unwritable:
+                self._unwritable.add(w.entry_id)
+                log.warning("entry %s: its reply key %s holds something other than a stream "
+                            "(not genq's writing); its events are not written", w.entry_id,
+                            w.reply_key)
+
     def _mark_gone(self, entry_id: str, deliveries: int, now: float) -> None:
+        self._unwritable.discard(entry_id)
         key = (entry_id, deliveries)
         if self._gone.pop(key, None) is None:  # (popped: it moves to the newest end)
             self._gone_ids[entry_id] = self._gone_ids.get(entry_id, 0) + 1

@@ -45,7 +45,10 @@ end
 # script. The writer passes '' at start, after a connection error and at least once a second.
 # The reply key's TTL is set when the writer asks (its first event, then now and then), not on
 # every event; the terminal event sets it again.
-# Returns {fence counter value, the entry ids this worker no longer owns (not written)}.
+# A reply key that holds something other than a stream (WRONGTYPE: not genq's writing) fails
+# only its own job's XADDs (pcall): the other jobs of the call are written.
+# Returns {fence counter value, the entry ids this worker no longer owns (not written), the
+# entry ids whose reply key is not a stream (not written)}.
 WRITE_EVENTS_LUA = _OWNED + """
 local group, me, ttl = ARGV[1], ARGV[2], ARGV[3]
 local index = cmsgpack.unpack(ARGV[4])
@@ -53,7 +56,7 @@ local blob = ARGV[5]
 local fence, owned = '', nil
 if ARGV[6] ~= '-' then fence = redis.call('GET', KEYS[2]) or '0' end
 if fence == '' or fence ~= ARGV[6] then owned = owned_entries(KEYS[1], group, me) end
-local lost = {}
+local lost, unwritable = {}, {}
 local offset = 1
 for k = 3, #KEYS do
   local job = index[k - 2]
@@ -68,17 +71,25 @@ for k = 3, #KEYS do
     ours = true
   end
   if ours then
+    local bad = false
     for i = 1, #lengths do
-      redis.call('XADD', KEYS[k], '*', 'e', string.sub(blob, offset, offset + lengths[i] - 1))
+      if not bad then
+        local r = redis.pcall('XADD', KEYS[k], '*', 'e',
+                              string.sub(blob, offset, offset + lengths[i] - 1))
+        if type(r) == 'table' and r.err then
+          bad = true
+          table.insert(unwritable, job[1])
+        end
+      end
       offset = offset + lengths[i]
     end
-    if job[4] then redis.call('EXPIRE', KEYS[k], ttl) end
+    if job[4] and not bad then redis.call('EXPIRE', KEYS[k], ttl) end
   else
     for i = 1, #lengths do offset = offset + lengths[i] end
     table.insert(lost, job[1])
   end
 end
-return {fence, lost}
+return {fence, lost, unwritable}
 """
 
 # The ends of many attempts in one call. Per attempt: optional terminal event, optional dead
@@ -99,7 +110,10 @@ return {fence, lost}
 # finishes without idem keys.)
 # Each entry's owner is checked on its own (XPENDING of that one id: a few finishes among many
 # held entries cost a few lookups, not a walk over all of them); no fence counter shortcut here.
-# Returns per finish 1 when written, 0 when the entry is no longer this worker's.
+# A reply key that is not a stream (WRONGTYPE) takes no terminal event: the job is dead-lettered
+# (code reply_unwritable) and acked, and the other finishes of the call are written.
+# Returns per finish 1 when written, 2 when acked but dead-lettered instead of its terminal
+# event (its reply key is not a stream), 0 when the entry is no longer this worker's.
 FINISH_LUA = f"""
 local DEAD_LETTER_MAXLEN = {DEAD_LETTER_MAXLEN}
 """ + """
@@ -119,11 +133,21 @@ for i = 1, m do
   local event = string.sub(blob, offset, offset + n - 1)
   offset = offset + n
   if owns(id, tonumber(f[2])) then  -- (acked below: a second finish of it here is a no-op)
+    local wrote = 1
     if n > 0 then
-      redis.call('XADD', KEYS[2 + i], '*', 'e', event)
-      redis.call('EXPIRE', KEYS[2 + i], ttl)
-      if KEYS[2 + m + i] ~= KEYS[1] then
-        redis.call('SET', KEYS[2 + m + i], 'ended', 'XX', 'KEEPTTL')
+      local r = redis.pcall('XADD', KEYS[2 + i], '*', 'e', event)
+      if type(r) == 'table' and r.err then  -- not a stream: the job goes to the dead letters
+        redis.call('XADD', KEYS[2], 'MAXLEN', '~', DEAD_LETTER_MAXLEN, '*', 'reason',
+                   'its reply key ' .. KEYS[2 + i] .. ' is not a stream (' .. r.err ..
+                   '): its end could not be written', 'code', 'reply_unwritable',
+                   'entry', id, 'worker', me)
+        redis.call('EXPIRE', KEYS[2], dead_ttl)
+        wrote = 2
+      else
+        redis.call('EXPIRE', KEYS[2 + i], ttl)
+        if KEYS[2 + m + i] ~= KEYS[1] then
+          redis.call('SET', KEYS[2 + m + i], 'ended', 'XX', 'KEEPTTL')
+        end
       end
     end
     if #f[4] > 0 then
@@ -135,7 +159,7 @@ for i = 1, m do
     end
     redis.call('XACK', KEYS[1], group, id)
     redis.call('XDEL', KEYS[1], id)
-    done[#done + 1] = 1
+    done[#done + 1] = wrote
   else
     done[#done + 1] = 0
   end

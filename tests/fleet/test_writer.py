@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgpack
+import pytest
 import redis
 
 from producer.protocol import (
@@ -79,6 +82,42 @@ def test_writes_to_an_entry_another_worker_claimed_are_refused(redis_server: Red
     assert [(p["message_id"].decode(), p["consumer"]) for p in pending] == [(stolen, b"thief")]
     assert conn.xlen(JOBS) == 1  # the finished entry was acked and deleted, the stolen one not
     assert 0 < conn.ttl(KEYS.reply("j0")) <= 60
+
+
+def test_a_reply_key_that_is_not_a_stream_fails_only_its_own_job(
+        redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Something other than genq wrote a string at job j1's reply key (WRONGTYPE for XADD). The
+    jobs written in the same script call still get every event; j1's events are dropped (said
+    once in the log), and its end goes to the dead letters instead, acked like any finish."""
+    entries = setup_group(redis_server, "me", 3)
+    conn = redis_server.client()
+    conn.set(KEYS.reply("j1"), "not a stream")
+    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    caplog.set_level(logging.WARNING, logger="genq.worker")
+    for pos in range(3):
+        writer.write_batches([Batch(events=[
+            EventWrite(e, 1, KEYS.reply(f"j{i}"), [tokens_event(1, 0, pos, [pos], "x")])
+            for i, e in enumerate(entries)])])
+    writer.write_batches([Batch(finishes=[
+        FinishWrite(e, 1, KEYS.reply(f"j{i}"), encode_event(error_event(1, "x", "end")),
+                    idem_key=KEYS.idem(f"j{i}")) for i, e in enumerate(entries)])])
+    for job in ("j0", "j2"):
+        assert [(e["type"], e.get("pos")) for e in events_of(redis_server, job)] == [
+            ("tokens", 0), ("tokens", 1), ("tokens", 2), ("error", None)]
+    assert conn.get(KEYS.reply("j1")) == b"not a stream"  # (left as it was)
+    (dead,) = conn.xrange(KEYS.dead("m"))
+    fields = {k.decode(): v.decode() for k, v in dead[1].items()}
+    assert fields == {
+        "reason": "its reply key genq:reply:j1 is not a stream (WRONGTYPE Operation against a "
+                  "key holding the wrong kind of value): its end could not be written",
+        "code": "reply_unwritable", "entry": entries[1], "worker": "me"}
+    assert conn.xlen(JOBS) == 0 and conn.xpending(JOBS, "workers")["pending"] == 0
+    warnings = [r.getMessage() for r in caplog.records if entries[1] in r.getMessage()]
+    assert warnings == [
+        f"entry {entries[1]}: its reply key genq:reply:j1 holds something other than a stream "
+        "(not genq's writing); its events are not written",
+        f"entry {entries[1]}: its reply key genq:reply:j1 is not a stream; the job is "
+        "dead-lettered (code reply_unwritable) instead of ending there"]
 
 
 def test_a_stale_delivery_count_is_fenced_too(redis_server: RedisServer) -> None:
