@@ -251,9 +251,23 @@ class BlockManager:
         return self._move(group, self.tables, self.host_tables, self.device, self.host)
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
-        held = {b for s in group.live_seqs() for b in self.host_tables.get(s.seq_id, ())}
-        # One spare block per sequence so the step after the swap-in can append.
-        return self.fit(len(held) + len(group.live_seqs()), resumed=True)
+        """Whether the group's blocks, and what the step after the swap-in appends, fit."""
+        seqs = group.live_seqs()
+        held = {b for s in seqs for b in self.host_tables.get(s.seq_id, ())}
+        # What each sequence computes next (its next token; all of a prompt it was still
+        # filling) needs: fresh blocks past its table, a copy of each shared one it writes
+        # into (copy-on-write); as blocks_to_append counts once it runs. (A spare block for
+        # every sequence, whatever its need, judged a group that fits as NEVER and ended it
+        # with "length".)
+        grow = 0
+        for s in seqs:
+            table = self.host_tables.get(s.seq_id, [])
+            end = self.blocks_for(max(s.num_tokens, s.num_computed_tokens + 1))
+            grow += max(0, end - len(table))
+            for i in range(s.num_computed_tokens // self.block_size, min(len(table), end)):
+                if self.host.ref_counts[table[i]] > 1:
+                    grow += 1
+        return self.fit(len(held) + grow, resumed=True)
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's blocks back to the device; returns (host, device) pairs to copy.

@@ -106,6 +106,24 @@ def test_4422_group_sized_for_n1_cannot_fit_and_ends_instead_of_hanging(tiny_lla
     assert llm.stats()["num_infeasible"] == 2
 
 
+def test_a_swapped_group_that_fits_is_swapped_back_in_not_ended(tiny_llama, make_llm):
+    """7 blocks of 16. B (n=4, a one-block prompt) holds 5 and never needs a sixth; A's growth
+    swaps it out. Once A is done, B needs its 5 blocks and nothing more (each sequence's last
+    block has room): it is swapped back in and finishes its 16 tokens, as it does alone (a spare
+    block per sequence, reserved whatever the need, made it 9 > 7: ended with "length")."""
+    a = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    b = SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=16, ignore_eos=True)
+    prompt_a, prompt_b = list(range(3, 23)), list(range(30, 46))
+    alone = make_llm(tiny_llama, block_size=16, num_gpu_blocks_override=7)
+    (want,) = alone.generate([prompt_b], b, use_tqdm=False)
+    both = make_llm(tiny_llama, block_size=16, num_gpu_blocks_override=7)
+    outs = both.generate([prompt_a, prompt_b], [a, b], use_tqdm=False)
+    assert [(len(c.token_ids), c.finish_reason) for c in outs[1].outputs] == [(16, "length")] * 4
+    assert _tokens(outs[1:]) == _tokens([want])
+    stats = both.stats()
+    assert (stats["num_swap_outs"], stats["num_swap_ins"], stats["num_infeasible"]) == (1, 1, 0)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_n2_survivor_resumes_after_its_sibling_stopped(mode, tiny_llama, make_llm):
     prompt = random_prompts(1, seed=5)[0]
