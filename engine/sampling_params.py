@@ -84,8 +84,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        if self.top_k < -1:  # (0 disables too, as in vLLM: generation configs say "top_k": 0)
+            raise ValueError(f"top_k must be -1 or 0 (disable) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:

@@ -132,7 +132,8 @@ def test_a_failed_job_raises_in_get_with_the_jobs_message(redis_url: str) -> Non
     app = celery_app(redis_url, "json")
     result = app.send_task("genq.generate",
                            kwargs={"prompt": PROMPT, "model": "tiny", "params": {"top_k": -5}})
-    with pytest.raises(Exception, match="top_k must be -1 \\(disable\\) or at least 1, got -5"):
+    with pytest.raises(Exception,
+                       match=r"top_k must be -1 or 0 \(disable\) or at least 1, got -5"):
         result.get(timeout=60)
     assert result.state == "FAILURE"
 

@@ -133,6 +133,15 @@ def test_top_k_one_is_greedy(tiny_llama, make_llm):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, PROMPTS, 10)
 
 
+def test_top_k_zero_disables_top_k_as_minus_one_does(tiny_llama, make_llm):
+    """(vLLM's meaning of 0; models' generation configs carry "top_k": 0.)"""
+    llm = make_llm(tiny_llama)
+    runs = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(
+        temperature=1.0, top_k=k, seed=5, max_tokens=10, ignore_eos=True), use_tqdm=False)]
+        for k in (0, -1, 3)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
 def test_tiny_top_p_is_greedy(tiny_llama, make_llm):
     params = SamplingParams(temperature=1.0, top_p=1e-6, seed=5, max_tokens=10, ignore_eos=True)
     outs = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
@@ -168,7 +177,7 @@ def test_cumulative_logprob_only_when_logprobs_are_asked_for(tiny_llama, make_ll
 @pytest.mark.parametrize("field,value,message", [
     ("temperature", -0.5, "temperature must be >= 0"),
     ("top_p", 0.0, "top_p must be in"),
-    ("top_k", 0, "top_k must be -1"),
+    ("top_k", -2, r"top_k must be -1 or 0 \(disable\) or at least 1, got -2"),
     ("n", 0, "n must be at least 1"),
     ("max_tokens", 0, "max_tokens must be at least 1"),
     ("best_of", 1, "best_of must be >= n"),
