@@ -50,7 +50,7 @@ class _Request(BaseModel):
     n: int = Field(1, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # (any 64-bit int, as vLLM takes)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
@@ -77,6 +77,8 @@ class _Request(BaseModel):
         params: dict[str, Any] = {name: getattr(self, name) for name in _SHARED}
         if params["seed"] is None:
             del params["seed"]
+        else:  # folded into the engine's [0, 2**63): -1 and 2**63 - 1 sample alike
+            params["seed"] %= 2**63
         if self.stop is not None:
             params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if max_tokens is not None:

@@ -16,6 +16,7 @@ import pytest
 from producer import Client
 from producer.cli import queue_rows
 from producer.gateway import GatewayConfig, create_app
+from producer.openai_schema import CompletionRequest
 from producer.protocol import (
     REPLY_FIELD,
     Keys,
@@ -147,3 +148,18 @@ def test_queue_figures_count_the_waiting_when_redis_cannot_tell_the_lag(
             await gateway.redis.close()
 
     assert asyncio.run(depth()) == 51
+
+
+@pytest.mark.parametrize("seed, folded", [(7, 7), (-1, 2**63 - 1), (-2**63, 0),
+                                          (2**64 - 1, 2**63 - 1)])
+def test_any_64_bit_seed_is_taken_and_folded_into_the_engines_range(seed: int,
+                                                                     folded: int) -> None:
+    """OpenAI's seed is any integer and vLLM takes any 64-bit one; the engine's is in
+    [0, 2**63)."""
+    request = CompletionRequest(model="tiny", prompt="hi", seed=seed)
+    assert request.sampling_params(4)["seed"] == folded
+
+
+def test_a_seed_outside_64_bits_is_refused() -> None:
+    with pytest.raises(ValueError, match="seed"):
+        CompletionRequest(model="tiny", prompt="hi", seed=2**64)
