@@ -46,7 +46,8 @@ end
 # The reply key's TTL is set when the writer asks (its first event, then now and then), not on
 # every event; the terminal event sets it again.
 # A reply key that holds something other than a stream (WRONGTYPE: not genq's writing) fails
-# only its own job's XADDs (pcall): the other jobs of the call are written.
+# only its own job's XADDs (pcall): the other jobs of the call are written. Any other refusal
+# (out of memory, a replica) fails the call, as before: the writer retries it whole.
 # Returns {fence counter value, the entry ids this worker no longer owns (not written), the
 # entry ids whose reply key is not a stream (not written)}.
 WRITE_EVENTS_LUA = _OWNED + """
@@ -77,6 +78,7 @@ for k = 3, #KEYS do
         local r = redis.pcall('XADD', KEYS[k], '*', 'e',
                               string.sub(blob, offset, offset + lengths[i] - 1))
         if type(r) == 'table' and r.err then
+          if string.sub(r.err, 1, 9) ~= 'WRONGTYPE' then return r end  -- (OOM...: retried)
           bad = true
           table.insert(unwritable, job[1])
         end
@@ -137,6 +139,7 @@ for i = 1, m do
     if n > 0 then
       local r = redis.pcall('XADD', KEYS[2 + i], '*', 'e', event)
       if type(r) == 'table' and r.err then  -- not a stream: the job goes to the dead letters
+        if string.sub(r.err, 1, 9) ~= 'WRONGTYPE' then return r end  -- (OOM...: retried)
         redis.call('XADD', KEYS[2], 'MAXLEN', '~', DEAD_LETTER_MAXLEN, '*', 'reason',
                    'its reply key ' .. KEYS[2 + i] .. ' is not a stream (' .. r.err ..
                    '): its end could not be written', 'code', 'reply_unwritable',
