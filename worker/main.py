@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--served-model-name", default=None,
                    help="name jobs route by (default: the model directory's basename)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<i>")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<i> (default: %(default)s)")
     p.add_argument("--name", default=None,
                    help="consumer name and heartbeat key; stable across restarts "
                         "(default: the host name)")
@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests without a seed of their own (jobs from "
                         "the producer that sample always carry one; default: %(default)s)")
-    e.add_argument("--num-threads", type=int, default=None, help="torch threads on the CPU")
+    e.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads on the CPU (default: torch's, one per core)")
     r = p.add_argument_group("reliability")
     r.add_argument("--heartbeat-ttl", type=float, default=10.0,
                    help="seconds without a heartbeat before other workers may reclaim this "
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "from a thread of the worker")
     m = p.add_argument_group("metrics")
     m.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: 0, off)")
     m.add_argument("--metrics-host", default="0.0.0.0",
                    help="address the metrics server binds (default: %(default)s)")
     add_limit_args(p, "this worker")
@@ -103,6 +104,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def default_name() -> str:
     return re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:128] or "worker"
+
+
+def check_device(device: str) -> None:
+    """--device names a device this machine's torch can use; ValueError (one line) if not."""
+    import torch
+
+    match = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
+    if match is None:
+        raise ValueError(f"--device must be cpu, cuda or cuda:<index>, got {device!r}")
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is usable here (torch "
+                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                         "use --device cpu")
+    index = int(match.group(1) or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
 
 
 def metrics_bind_error(host: str, port: int, exc: OSError) -> str:
@@ -151,16 +171,22 @@ def main(argv: list[str] | None = None) -> int:
     from engine.engine import Engine
     from worker.loop import Worker
 
-    try:
-        engine = Engine(EngineConfig(
+    try:  # the options first: a wrong one is the flag's fault, not the model's
+        engine_config = EngineConfig(
             model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
             swap_space=args.swap_space, seed=args.seed, num_threads=args.num_threads,
             output_kind="delta", enable_prefix_caching=EngineConfig.enable_prefix_caching
-            if args.enable_prefix_caching is None else args.enable_prefix_caching))
-    except (ValueError, OSError) as exc:  # a wrong path, an unsupported model, a bad option
+            if args.enable_prefix_caching is None else args.enable_prefix_caching)
+        check_device(args.device)
+    except ValueError as exc:
+        print(f"genq worker: {exc}", file=sys.stderr)
+        return 2
+    try:
+        engine = Engine(engine_config)
+    except (ValueError, OSError) as exc:  # a wrong path, an unsupported model
         print(f"genq worker: cannot load {args.model!r}: {exc}", file=sys.stderr)
         return 2
     worker = Worker(engine, cfg, metrics_server=metrics_server)

@@ -25,6 +25,34 @@ def test_a_directory_without_a_model_stops_the_worker_with_one_line(
     assert redis_server.client().keys("genq:*") == []
 
 
+@pytest.mark.parametrize("flags, error", [
+    (["--device", "gpu"], "--device must be cpu, cuda or cuda:<index>, got 'gpu'"),
+    (["--block-size", "0"], "block_size must be a power of two up to 256"),
+    (["--dtype", "fp16"], "dtype must be one of"),
+])
+def test_a_bad_engine_option_is_one_line_naming_the_option_not_the_model(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path, flags: list[str],
+        error: str) -> None:
+    proc = workers.start(redis_server.url, tiny_llama, "badflag", *flags)
+    assert proc.proc.wait(timeout=120) == 2
+    out = proc.output()
+    assert out.startswith(f"genq worker: {error}") and out.count("\n") == 1, out
+    assert "cannot load" not in out and "Traceback" not in out
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_one_line(
+        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    proc = workers.start(redis_server.url, tiny_llama, "nocuda", "--device", "cuda:0")
+    assert proc.proc.wait(timeout=120) == 2
+    assert proc.output() == (
+        f"genq worker: --device cuda:0: no CUDA device is usable here (torch "
+        f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use --device cpu\n")
+
+
 def test_sigterm_stops_a_worker_still_waiting_for_redis(workers: WorkerFactory,
                                                         tiny_llama: Path) -> None:
     nobody = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
