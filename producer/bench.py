@@ -15,6 +15,7 @@ import statistics
 import sys
 from typing import Any
 
+from producer.cli import unserved_warning
 from producer.client import Client
 from producer.flags import add_redis_args
 from producer.protocol import REPLY_FIELD, decode_event
@@ -24,17 +25,23 @@ def bench_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="genq bench", description=__doc__)
     parser.add_argument("--model", required=True)
     add_redis_args(parser)
-    parser.add_argument("--jobs", type=int, default=1000)
-    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=1000, help="(default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=1, help="(default: %(default)s)")
     parser.add_argument("--prompt", default="the quick brown fox")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--no-stream", action="store_true", help="done events only")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     params = {"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
-    figures = run_bench(Client(args.redis, prefix=args.prefix), args.model, args.jobs, params,
-                        args.prompt, not args.no_stream, args.timeout)
+    client = Client(args.redis, prefix=args.prefix)
+    unserved = unserved_warning(client, args.model)
+    if unserved:
+        print(f"genq bench: {unserved}", file=sys.stderr)
+    figures = run_bench(client, args.model, args.jobs, params, args.prompt, not args.no_stream,
+                        args.timeout)
     print_figures(figures)
     if args.json:
         with open(args.json, "w") as out:
@@ -51,6 +58,14 @@ def run_bench(client: Client, model: str, num_jobs: int, params: dict[str, Any],
     # One XREAD over many reply streams, not one per job: the client's CPU is the box's.
     results = client.results(jobs, timeout, return_exceptions=True)
     failed = sum(isinstance(r, Exception) for r in results)
+    for job, r in zip(jobs, results, strict=True):
+        if isinstance(r, TimeoutError):  # given up on: it must not run later for no one
+            client.cancel(job.id)
+    reasons: dict[str, int] = {}  # why jobs failed -> how many
+    for r in results:
+        if isinstance(r, Exception):
+            why = f"{type(r).__name__}: {r}"
+            reasons[why] = reasons.get(why, 0) + 1
     to_started, to_done, submits, starts, dones = [], [], [], [], []
     token_times: list[tuple[int, int]] = []  # (ms, tokens) of every tokens event
     pipe = client.redis.pipeline(transaction=False)
@@ -78,7 +93,8 @@ def run_bench(client: Client, model: str, num_jobs: int, params: dict[str, Any],
     first_done, last_start = min(dones, default=0), max(starts, default=0)
     steady = [n for t, n in token_times if last_start <= t <= first_done]
     steady_s = (first_done - last_start) / 1000
-    return {"jobs": num_jobs, "failed": failed, "params": params, "wall_s": wall_ms / 1000,
+    return {"jobs": num_jobs, "failed": failed, "failures": reasons, "params": params,
+            "wall_s": wall_ms / 1000,
             "jobs_per_s": len(dones) / (wall_ms / 1000),
             "submit_to_started_ms": _percentiles(to_started),
             "submit_to_done_ms": _percentiles(to_done),
@@ -93,6 +109,11 @@ def run_bench(client: Client, model: str, num_jobs: int, params: dict[str, Any],
 def print_figures(f: dict[str, Any]) -> None:
     print(f"jobs {f['jobs']} (failed {f['failed']}) in {f['wall_s']:.2f} s: "
           f"{f['jobs_per_s']:.0f} jobs/s")
+    failures = sorted(f.get("failures", {}).items(), key=lambda kv: -kv[1])
+    for why, count in failures[:5]:
+        print(f"  {count} failed: {why[:300]}")
+    if len(failures) > 5:
+        print(f"  ({len(failures) - 5} more reasons: see --json)")
     for name in ("submit_to_started_ms", "submit_to_done_ms"):
         p = f[name]
         print(f"{name:<22} p50 {p['p50']:.0f}  p99 {p['p99']:.0f}  max {p['max']:.0f}")

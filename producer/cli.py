@@ -100,7 +100,7 @@ def submit_main(argv: list[str]) -> int:
         except ProtocolError as exc:
             print(f"genq submit: {exc}", file=sys.stderr)
             return 2
-        unserved = _unserved_warning(client, args.model)
+        unserved = unserved_warning(client, args.model)
         if unserved:
             print(f"genq submit: {unserved}", file=sys.stderr)
         live = not args.json and params.get("n", 1) == 1
@@ -129,7 +129,7 @@ def submit_main(argv: list[str]) -> int:
     return 0
 
 
-def _unserved_warning(client: Any, model: str) -> str | None:
+def unserved_warning(client: Any, model: str) -> str | None:
     """A note when no live worker serves `model` (the job waits for one; it is not refused,
     since a worker may be starting), naming the models live workers do serve."""
     conn, keys = client.redis, client.keys

@@ -401,6 +401,29 @@ def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProc
         ("nobody", 1, 1, 0), ("tiny", 0, 0, 1)]
 
 
+def test_genq_bench_times_round_trips_and_says_why_jobs_failed(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    out = genq("bench", "--model", "tiny", "--jobs", "3", "--max-tokens", "2", "--ignore-eos",
+               "--redis", server.url)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("jobs 3 (failed 0) in ") and lines[0].endswith(" jobs/s")
+    assert lines[3].startswith("tokens streamed 6: ")
+    # A model nobody serves: said up front; the jobs time out, the reason is printed, and the
+    # jobs are cancelled (a worker that starts later does not run them for no one).
+    cancels = len(list(server.client().scan_iter(match="genq:cancel:*")))
+    lost = genq("bench", "--model", "nobody", "--jobs", "2", "--timeout", "0.5", "--redis",
+                server.url)
+    assert lost.returncode == 1
+    assert lost.stderr == ("genq bench: no live worker serves 'nobody' (live workers serve: "
+                           "tiny); the job waits in its queue until one starts\n")
+    assert lost.stdout.splitlines()[1] == (
+        "  2 failed: TimeoutError: 2 of 2 job(s) had no terminal event within 0.5 s")
+    assert len(list(server.client().scan_iter(match="genq:cancel:*"))) == cancels + 2
+    bad = genq("bench", "--model", "tiny", "--jobs", "0", "--redis", server.url)
+    assert bad.returncode == 2 and "--jobs must be at least 1, got 0" in bad.stderr
+
+
 def test_no_genq_key_outlives_its_ttl(server: RedisServer, worker: WorkerProcess) -> None:
     """Runs last: after the module's jobs finish and the reply TTL passes, no reply stream is
     left, the job stream holds no entries, and every genq key still present has a TTL."""
