@@ -3,6 +3,10 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Where torch's CPU wheel comes from: pip's own indexes by default (they serve the CPU build
+# here); on a machine whose pip reaches PyPI, whose Linux wheel is the CUDA build, pass
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+TORCH_INDEX ?=
 
 .PHONY: demo test lint setup redis-server clean
 
@@ -12,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	# The CPU wheel first: anything else would pull a multi-GB CUDA build.
-	$(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 	$(VPY) -m pip install --quiet -e '.[test,kernels,gateway,celery]'
 	touch $(STAMP)
 
