@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -301,6 +302,12 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:  # said once at start-up, not only in each request's 503
+            await gateway.redis.conn.ping()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            logging.getLogger("uvicorn.error").warning(
+                "genq gateway: cannot reach Redis (%s); requests answer 503 redis_unavailable "
+                "until it is up", exc)
         yield
         await gateway.redis.close()
 
@@ -353,9 +360,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="genq gateway", description="OpenAI-compatible gateway")
     add_redis_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-queue-depth", type=int, default=GatewayConfig.max_queue_depth)
+    p.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--max-queue-depth", type=int, default=GatewayConfig.max_queue_depth,
+                   help="waiting + running jobs of a model at which requests get 429 "
+                        "(default: %(default)s)")
     p.add_argument("--timeout", type=float, default=GatewayConfig.timeout_s,
                    help="seconds a job may take from submit to its end (then 504)")
     p.add_argument("--resume-grace", type=float, default=GatewayConfig.resume_grace_s,

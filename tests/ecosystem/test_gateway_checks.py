@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from producer.protocol import (
     started_event,
     tokens_event,
 )
-from tests.fleet.harness import RedisServer
+from tests.fleet.harness import RedisServer, free_port
 
 KEYS = Keys()
 JOBS = KEYS.jobs("tiny")
@@ -163,3 +164,20 @@ def test_any_64_bit_seed_is_taken_and_folded_into_the_engines_range(seed: int,
 def test_a_seed_outside_64_bits_is_refused() -> None:
     with pytest.raises(ValueError, match="seed"):
         CompletionRequest(model="tiny", prompt="hi", seed=2**64)
+
+
+def test_a_gateway_that_cannot_reach_redis_says_so_at_start_up(
+        caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()  # nothing listens there
+    app = create_app(GatewayConfig(redis_url=f"redis://127.0.0.1:{port}/0"))
+
+    async def start_and_stop() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+        asyncio.run(start_and_stop())
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "uvicorn.error"]
+    assert line.startswith(f"genq gateway: cannot reach Redis (Error 111 connecting to "
+                           f"127.0.0.1:{port}.") and line.endswith(
+        "); requests answer 503 redis_unavailable until it is up")
