@@ -71,15 +71,23 @@ def submit_main(argv: list[str]) -> int:
                              "model's chat template")
     parser.add_argument("--model", required=True, help="served model name")
     add_redis_args(parser)
-    parser.add_argument("--n", type=int, default=None)
-    parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--n", type=int, default=None,
+                        help="completions to generate (default: 1; more than one: printed at "
+                             "the end, not streamed)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens to generate at most (default: 16, as in vLLM)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 is greedy (default: 1.0)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: 1.0)")
+    parser.add_argument("--top-k", type=int, default=None, help="(default: -1, off)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling seed (default: one the producer picks, so a re-run after "
+                             "a worker failure samples the same tokens)")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--job-id", default=None, help="idempotency key: an id runs once")
-    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds to wait for the end; then the job is cancelled "
+                             "(default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the done event as JSON")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.messages is None):
