@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis import ConnectionError as RedisConnectionError
+from redis import ResponseError as RedisResponseError
 from redis import TimeoutError as RedisTimeoutError
 
 from producer import openai_schema as oa
@@ -302,12 +303,15 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        try:  # said once at start-up, not only in each request's 503
-            await gateway.redis.conn.ping()
+        try:  # said once at start-up, not only in each request's 503 (SCRIPT EXISTS: a
+            # command the gateway's ACL line grants, where PING is not)
+            await gateway.redis.conn.script_exists("0" * 40)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             logging.getLogger("uvicorn.error").warning(
                 "genq gateway: cannot reach Redis (%s); requests answer 503 redis_unavailable "
                 "until it is up", exc)
+        except RedisResponseError:  # it answered (a refusal): reachable
+            pass
         yield
         await gateway.redis.close()
 
