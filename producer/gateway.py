@@ -60,6 +60,7 @@ from producer.protocol import (
     ProtocolError,
     check_job_bytes,
     check_limits,
+    encode_job_entry,
 )
 
 T = TypeVar("T")
@@ -127,13 +128,14 @@ class Gateway:
             try:
                 spec = make_job_spec(prompt, params, model, job_id, deadline, stream, chat)
                 check_limits(spec, self.cfg.limits)
-                check_job_bytes(spec, self.cfg.limits)  # (else the worker's too_large)
+                payload = encode_job_entry(spec)["job"]  # (encoded once: measured, then sent)
+                check_job_bytes(spec.id, payload, self.cfg.limits)  # (else the worker's too_large)
             except ProtocolError as exc:
                 raise GatewayError(400, exc.message, code=exc.code) from None
-            specs.append(spec)
-        for spec in specs:  # only once every prompt passed: a 400 leaves no job running
+            specs.append((spec, payload))
+        for spec, payload in specs:  # only once every prompt passed: a 400 leaves no job running
             self._keep(spec.id)
-            await self.redis.submit(spec)
+            await self.redis.submit(spec, payload)
         return ids
 
     async def _all_submitted(self, job_ids: list[str]) -> bool:

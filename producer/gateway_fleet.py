@@ -36,7 +36,6 @@ from producer.protocol import (
     ProtocolError,
     decode_heartbeat,
     decode_reply_entry,
-    encode_job_entry,
     waiting_entries,
 )
 from producer.replies import ReplyDeduper
@@ -73,12 +72,12 @@ class GatewayRedis:
                 socket_timeout=BLOCK_MS / 1000 + 10, socket_connect_timeout=5.0))
         self._submit_script = self.conn.register_script(SUBMIT_LUA)
 
-    async def submit(self, spec: JobSpec) -> bool:
-        """Enqueue a checked job once per id (Client.submit's recipe); False: the id existed."""
-        entry = encode_job_entry(spec)
+    async def submit(self, spec: JobSpec, payload: bytes) -> bool:
+        """Enqueue a checked job once per id (Client.submit's recipe); False: the id existed.
+        `payload`: the job encoded (encode_job_entry's "job")."""
         entry_id = await self._submit_script(
             keys=[self.keys.idem(spec.id), self.keys.jobs(spec.model)],
-            args=[DEFAULT_IDEMPOTENCY_TTL, PROTOCOL_VERSION, entry["job"], DEFAULT_STREAM_TTL])
+            args=[DEFAULT_IDEMPOTENCY_TTL, PROTOCOL_VERSION, payload, DEFAULT_STREAM_TTL])
         return entry_id is not None
 
     async def cancel(self, job_id: str) -> None:

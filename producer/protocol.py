@@ -490,13 +490,12 @@ def check_limits(spec: JobSpec, limits: Limits) -> None:
         raise over(f"at most {limits.max_stop} stop_token_ids")
 
 
-def check_job_bytes(spec: JobSpec, limits: Limits) -> None:
-    """Raise ProtocolError("limit_exceeded") when the job's encoded payload is over
-    limits.max_job_bytes (a producer's check: the worker measures what it reads)."""
-    size = len(_pack(spec.to_wire()))
-    if size > limits.max_job_bytes:
-        raise ProtocolError("limit_exceeded", f"the job is {size} bytes encoded, over the cap of "
-                            f"{limits.max_job_bytes}", spec.id)
+def check_job_bytes(job_id: str, payload: bytes, limits: Limits) -> None:
+    """Raise ProtocolError("limit_exceeded") when a job's encoded payload (encode_job_entry's
+    "job") is over limits.max_job_bytes (a producer's check: the worker measures what it reads)."""
+    if len(payload) > limits.max_job_bytes:
+        raise ProtocolError("limit_exceeded", f"the job is {len(payload)} bytes encoded, over the "
+                            f"cap of {limits.max_job_bytes}", job_id)
 
 
 # --------------------------------------------------------------------------- reply events

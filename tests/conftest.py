@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet.harness import WorkerFactory
+from tests.fleet.harness import RedisServer, WorkerFactory
 from tests.tiny_models import ARCHS, build_model, build_tokenizer
 
 
@@ -17,6 +17,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.when == "call" and report.failed:
         for title, text in WorkerFactory.log_tails():
             report.sections.append((title, text))
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server of the test's own, on a free port (fault tests kill and restart it)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill()
 
 
 @pytest.fixture(scope="session")

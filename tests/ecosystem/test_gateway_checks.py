@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,14 +31,6 @@ from tests.fleet.harness import RedisServer, free_port
 KEYS = Keys()
 JOBS = KEYS.jobs("tiny")
 BODY = {"model": "tiny", "prompt": "hi", "temperature": 0, "max_tokens": 1, "stream": True}
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def held_job(server: RedisServer, job_id: str) -> str:

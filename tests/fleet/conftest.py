@@ -11,14 +11,6 @@ import pytest
 from tests.fleet.harness import Expected, RedisServer, WorkerFactory
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A redis-server shared by a module's tests (with its module-scoped worker fixture)."""

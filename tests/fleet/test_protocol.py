@@ -138,13 +138,14 @@ def test_an_oversized_payload_names_its_job_when_it_can(payload: object,
 
 def test_a_producer_can_check_the_encoded_size_before_enqueueing() -> None:
     spec = dataclasses.replace(GOOD, prompt=None, prompt_token_ids=list(range(1000, 3000)))
-    size = len(encode_job_entry(spec)["job"])
+    payload = encode_job_entry(spec)["job"]
+    size = len(payload)
     with pytest.raises(ProtocolError) as exc:
-        check_job_bytes(spec, Limits(max_job_bytes=size - 1))
+        check_job_bytes(spec.id, payload, Limits(max_job_bytes=size - 1))
     assert (exc.value.code, exc.value.message, exc.value.job_id) == (
         "limit_exceeded", f"the job is {size} bytes encoded, over the cap of {size - 1}",
         "job-1")
-    check_job_bytes(spec, Limits(max_job_bytes=size))  # at the cap: fine
+    check_job_bytes(spec.id, payload, Limits(max_job_bytes=size))  # at the cap: fine
 
 
 @pytest.mark.parametrize("lag, pending, length, waiting", [
