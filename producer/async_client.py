@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from redis import ConnectionError as RedisConnectionError
 from redis import TimeoutError as RedisTimeoutError
 
+from producer import connection
 from producer.client import (
     BLOCK_MS,
     DEFAULT_URL,
@@ -25,6 +26,7 @@ from producer.client import (
 )
 from producer.protocol import (
     SUBMIT_LUA,
+    JobSpec,
     as_str,
     decode_reply_entry,
 )
@@ -33,9 +35,8 @@ from producer.results import reply_expired_async
 
 
 def connect_async(url: str, *, blocking: bool = False) -> aioredis.Redis:
-    timeout = BLOCK_MS / 1000 + 10 if blocking else 5.0
-    return aioredis.Redis.from_url(url, protocol=2, socket_timeout=timeout,
-                                   socket_connect_timeout=5.0)
+    return connection.connect_async(url, socket_timeout=BLOCK_MS / 1000 + 10 if blocking
+                                    else 5.0)
 
 
 class AsyncClient(ClientSettings):
@@ -50,8 +51,7 @@ class AsyncClient(ClientSettings):
                      deadline: float | None = None, stream: bool = True) -> AsyncJob:
         """Client.submit's mirror: a prompt, or a chat as `messages=[...]` (keyword)."""
         spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
-        keys, args = self.submit_call(spec)
-        entry_id = await self._submit_script(keys=keys, args=args)
+        (entry_id,) = await self._submit([spec])
         return AsyncJob(self, spec.id, model, created=entry_id is not None,
                         entry_id=None if entry_id is None else as_str(entry_id))
 
@@ -60,14 +60,30 @@ class AsyncClient(ClientSettings):
                           stream: bool = True) -> list[AsyncJob]:
         """Client.submit_many's mirror: many jobs in one pipelined round trip (fresh ids)."""
         specs = [make_job_spec(p, params, model, None, None, stream) for p in prompts]
-        pipe = self.redis.pipeline(transaction=False)
-        for spec in specs:
-            keys, args = self.submit_call(spec)
-            await self._submit_script(keys=keys, args=args, client=pipe)
-        ids = await pipe.execute()
+        ids = await self._submit(specs)
         return [AsyncJob(self, spec.id, model, created=eid is not None,
                          entry_id=None if eid is None else as_str(eid))
                 for spec, eid in zip(specs, ids, strict=True)]
+
+    async def _submit(self, specs: Sequence[JobSpec]) -> list[Any]:
+        """Client._submit's mirror."""
+        delays = self.failover_delays()
+        while True:
+            try:
+                if len(specs) == 1 and not self.min_replicas:
+                    keys, args = self.submit_call(specs[0])
+                    return [await self._submit_script(keys=keys, args=args)]
+                pipe = self.redis.pipeline(transaction=False)
+                for spec in specs:
+                    keys, args = self.submit_call(spec)
+                    await self._submit_script(keys=keys, args=args, client=pipe)
+                self.queue_wait(pipe)
+                return self.replicated(await pipe.execute(), specs)
+            except connection.RETRYABLE:
+                delay = next(delays, None)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
 
     async def results(self, jobs: Sequence[AsyncJob], timeout: float | None = 60.0, *,
                       return_exceptions: bool = False, concurrency: int = 64) -> list[Any]:

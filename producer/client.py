@@ -10,6 +10,7 @@ from typing import Any
 
 import redis
 
+from producer import connection
 from producer.protocol import (
     DEFAULT_PREFIX,
     PROTOCOL_VERSION,
@@ -56,9 +57,7 @@ class ResultExpired(JobError):
 
 def connect(url: str, *, blocking: bool = False) -> redis.Redis:
     """A Redis client; a blocking one gets a socket timeout well above the BLOCK time."""
-    timeout = BLOCK_MS / 1000 + 10 if blocking else 5.0
-    return redis.Redis.from_url(url, protocol=2, socket_timeout=timeout,
-                                socket_connect_timeout=5.0)
+    return connection.connect(url, socket_timeout=BLOCK_MS / 1000 + 10 if blocking else 5.0)
 
 
 Prompt = str | Sequence[int]
@@ -94,25 +93,76 @@ def result_from_events(job_id: str, terminal: dict[str, Any] | None) -> dict[str
     return terminal
 
 
+class NotReplicated(RuntimeError):
+    """A submit reached the primary, but fewer replicas than `min_replicas` acknowledged it in
+    time: a failover now could lose it. Submit again under the same job id (it runs once)."""
+
+    def __init__(self, job_ids: Sequence[str], acks: int, wanted: int, timeout: float) -> None:
+        shown = ", ".join(job_ids[:3]) + (f" and {len(job_ids) - 3} more" if len(job_ids) > 3
+                                          else "")
+        super().__init__(f"job {shown} reached the primary but {acks} of the {wanted} replicas "
+                         f"wanted acknowledged it within {timeout:g} s: submit again with the "
+                         "same job_id (it runs once), or lower min_replicas")
+        self.job_ids = list(job_ids)
+        self.acks = acks
+
+
 class ClientSettings:
-    """What Client and AsyncClient share: the URL, key names, TTLs, and the submit script's
-    arguments for a job."""
+    """What Client and AsyncClient share: the URL, key names, TTLs, the durability settings,
+    and the submit script's arguments for a job.
+
+    min_replicas: after a submit, wait (WAIT) until this many replicas hold it, for at most
+    replica_timeout seconds, else raise NotReplicated. failover_timeout: with a
+    redis+sentinel:// URL, how long a submit keeps retrying a lost or demoted primary (a
+    failover) before it raises; plain URLs raise at once."""
 
     def __init__(self, url: str = DEFAULT_URL, *, prefix: str = DEFAULT_PREFIX,
                  idempotency_ttl: int = DEFAULT_IDEMPOTENCY_TTL,
                  stream_ttl: int = DEFAULT_STREAM_TTL,
-                 cancel_ttl: int = DEFAULT_CANCEL_TTL) -> None:
+                 cancel_ttl: int = DEFAULT_CANCEL_TTL, min_replicas: int = 0,
+                 replica_timeout: float = 1.0, failover_timeout: float = 30.0) -> None:
+        if min_replicas < 0 or replica_timeout <= 0 or failover_timeout < 0:
+            raise ValueError("min_replicas must be >= 0, replica_timeout > 0 and "
+                             "failover_timeout >= 0")
         self.url = url
         self.keys = Keys(prefix)
         self.idempotency_ttl = idempotency_ttl
         self.stream_ttl = stream_ttl
         self.cancel_ttl = cancel_ttl
+        self.min_replicas = min_replicas
+        self.replica_timeout = replica_timeout
+        self.retry_for = failover_timeout if connection.parse(url).is_sentinel else 0.0
 
     def submit_call(self, spec: JobSpec) -> tuple[list[Any], list[Any]]:
         """The keys and args of SUBMIT_LUA for `spec`."""
         return ([self.keys.idem(spec.id), self.keys.jobs(spec.model)],
                 [self.idempotency_ttl, PROTOCOL_VERSION, encode_job_entry(spec)["job"],
                  self.stream_ttl])
+
+    def failover_delays(self) -> Iterator[float]:
+        """The waits between a submit's attempts while a failover may be under way; exhausted
+        (the caller re-raises) past failover_timeout. A submit is idempotent per job id, so
+        retrying one that landed before the connection broke is safe."""
+        end = time.monotonic() + self.retry_for
+        delay = 0.05
+        while time.monotonic() + delay <= end:
+            yield delay
+            delay = min(delay * 2, 1.0)
+
+    def replicated(self, results: list[Any], specs: Sequence[JobSpec]) -> list[Any]:
+        """The submit pipeline's results less the WAIT's count, which must reach min_replicas
+        (else NotReplicated)."""
+        if self.min_replicas:
+            acks = int(results.pop())
+            if acks < self.min_replicas:
+                raise NotReplicated([s.id for s in specs], acks, self.min_replicas,
+                                    self.replica_timeout)
+        return results
+
+    def queue_wait(self, pipe: Any) -> None:
+        """Add the WAIT for min_replicas to a pipeline (same connection as its writes)."""
+        if self.min_replicas:
+            pipe.wait(self.min_replicas, max(1, int(self.replica_timeout * 1000)))
 
 
 class Client(ClientSettings):
@@ -131,8 +181,7 @@ class Client(ClientSettings):
         """Enqueue one job: a prompt (text or token ids), or a chat as `messages=[{"role": ...,
         "content": ...}, ...]` that the worker renders with the model's chat template."""
         spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
-        keys, args = self.submit_call(spec)
-        entry_id = self._submit_script(keys=keys, args=args)
+        (entry_id,) = self._submit([spec])
         return Job(self, spec.id, model, created=entry_id is not None,
                    entry_id=None if entry_id is None else as_str(entry_id))
 
@@ -141,14 +190,30 @@ class Client(ClientSettings):
                     stream: bool = True) -> list[Job]:
         """Submit many jobs in one pipelined round trip (fresh ids)."""
         specs = [make_job_spec(p, params, model, None, None, stream) for p in prompts]
-        pipe = self.redis.pipeline(transaction=False)
-        for spec in specs:
-            keys, args = self.submit_call(spec)
-            self._submit_script(keys=keys, args=args, client=pipe)
-        ids = pipe.execute()
+        ids = self._submit(specs)
         return [Job(self, spec.id, model, created=eid is not None,
                     entry_id=None if eid is None else as_str(eid))
                 for spec, eid in zip(specs, ids, strict=True)]
+
+    def _submit(self, specs: Sequence[JobSpec]) -> list[Any]:
+        """SUBMIT_LUA per job, across a failover: the entry ids (None: the id existed)."""
+        delays = self.failover_delays()
+        while True:
+            try:
+                if len(specs) == 1 and not self.min_replicas:  # (no pipeline: one round trip)
+                    keys, args = self.submit_call(specs[0])
+                    return [self._submit_script(keys=keys, args=args)]
+                pipe = self.redis.pipeline(transaction=False)
+                for spec in specs:
+                    keys, args = self.submit_call(spec)
+                    self._submit_script(keys=keys, args=args, client=pipe)
+                self.queue_wait(pipe)
+                return self.replicated(pipe.execute(), specs)
+            except connection.RETRYABLE:
+                delay = next(delays, None)
+                if delay is None:
+                    raise
+                time.sleep(delay)
 
     def results(self, jobs: Sequence[Job], timeout: float | None = 60.0, *,
                 return_exceptions: bool = False) -> list[Any]:

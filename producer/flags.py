@@ -11,11 +11,12 @@ from producer.protocol import DEFAULT_PREFIX, Limits, ProtocolError, validate_na
 
 
 def redis_url(value: str) -> str:
-    """argparse type: a URL redis-py can connect to (a usage error now, not a traceback later)."""
-    from redis.connection import parse_url
+    """argparse type: a URL genq can connect to (producer.connection: redis://, rediss://,
+    unix://, redis+sentinel://): a usage error now, not a traceback later."""
+    from producer.connection import parse
 
     try:
-        parse_url(value)
+        parse(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None  # (no echo: it may hold a password)
     return value

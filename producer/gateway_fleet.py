@@ -27,6 +27,7 @@ from producer.client import (
     DEFAULT_STREAM_TTL,
     REPLY_READ_COUNT,
 )
+from producer.connection import connect_async
 from producer.openai_schema import GatewayError
 from producer.protocol import (
     PROTOCOL_VERSION,
@@ -63,13 +64,9 @@ class GatewayRedis:
 
     def __init__(self, url: str, keys: Keys, max_connections: int) -> None:
         self.keys = keys
-        self.conn = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max(8, max_connections // 8), timeout=None, protocol=2,
-            socket_timeout=5.0, socket_connect_timeout=5.0))
-        self.blocking_conn = aioredis.Redis(
-            connection_pool=aioredis.BlockingConnectionPool.from_url(
-                url, max_connections=max_connections, timeout=None, protocol=2,
-                socket_timeout=BLOCK_MS / 1000 + 10, socket_connect_timeout=5.0))
+        self.conn = connect_async(url, max_connections=max(8, max_connections // 8))
+        self.blocking_conn = connect_async(url, max_connections=max_connections,
+                                           socket_timeout=BLOCK_MS / 1000 + 10)
         self._submit_script = self.conn.register_script(SUBMIT_LUA)
 
     async def submit(self, spec: JobSpec, payload: bytes) -> bool:

@@ -14,12 +14,12 @@ from collections.abc import Collection
 
 import redis
 
+from producer.connection import RETRYABLE, connect
 from producer.protocol import Keys
 
 log = logging.getLogger("genq.worker")
 _MAX_EARLY = 10_000  # cancels remembered for jobs not held (yet)
 _EARLY_KEEP_S = 60.0
-_RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
 
 
 class CancelListener(threading.Thread):
@@ -33,8 +33,7 @@ class CancelListener(threading.Thread):
     def run(self) -> None:
         backoff = 0.05
         while not self._halt.is_set():
-            conn = redis.Redis.from_url(self.url, protocol=2, socket_timeout=10,
-                                        socket_connect_timeout=5)
+            conn = connect(self.url, socket_timeout=10)
             try:
                 pubsub = conn.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self.channel)
@@ -45,7 +44,7 @@ class CancelListener(threading.Thread):
                         data = message["data"]
                         self.cancelled.put(data.decode(errors="replace")
                                            if isinstance(data, bytes) else str(data))
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except RETRYABLE as exc:
                 log.warning("cancel listener lost Redis (%s); reconnecting", exc)
                 self._halt.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
@@ -95,6 +94,6 @@ class Cancels:
             for job_id in job_ids:
                 pipe.exists(self.keys.cancel(job_id))
             flags = pipe.execute()
-        except _RETRYABLE:
+        except RETRYABLE:
             return set()
         return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}

@@ -28,6 +28,7 @@ class WorkerConfig:
     metrics_host: str = "0.0.0.0"
     stream_interval: int = 1  # tokens per sequence per tokens event (the first goes at once)
     writer: str = "process"  # token writes from a child process (its own GIL), or a thread
+    min_replicas: int = 0  # writes that end jobs wait until this many replicas hold them
 
     def __post_init__(self) -> None:
         validate_name(self.served_model_name, "served model name")
@@ -52,6 +53,8 @@ class WorkerConfig:
                              f"{self.stream_interval}")
         if self.writer not in ("thread", "process"):
             raise ValueError(f"--writer must be 'thread' or 'process', got {self.writer!r}")
+        if self.min_replicas < 0:
+            raise ValueError(f"--min-replicas must be >= 0, got {self.min_replicas}")
         if self.block_ms < 1:
             raise ValueError(f"block_ms must be at least 1, got {self.block_ms}")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from producer.connection import RETRYABLE
 from producer.protocol import ProtocolError, decode_heartbeat, encode_heartbeat
 
 log = logging.getLogger("genq.worker")
@@ -63,7 +64,7 @@ class Heartbeat(threading.Thread):
         if delete:
             try:
                 self.conn.delete(self.key)
-            except (redis.ConnectionError, redis.TimeoutError):
+            except RETRYABLE:  # (READONLY: a failover demoted our node; the key expires)
                 pass
 
 
@@ -75,7 +76,7 @@ def name_in_use(conn: redis.Redis, key: str, me: str) -> str | None:
     try:
         raw = conn.get(key)
         info = decode_heartbeat(raw) if isinstance(raw, bytes) else {}
-    except (redis.ConnectionError, redis.TimeoutError, ProtocolError):
+    except (*RETRYABLE, ProtocolError):
         return None
     pid, host = info.get("pid"), info.get("host")
     if not isinstance(pid, int) or pid == os.getpid():

@@ -19,20 +19,21 @@ from typing import Any
 import msgpack
 import redis
 
+from producer.connection import RETRYABLE
 from producer.protocol import as_str, encode_event
 from worker.batch import Batch, EventWrite, chunks, finish_args, finish_keys, merge
-from worker.reader import RETRYABLE
 from worker.scripts import Scripts
 
 log = logging.getLogger("genq.worker")
 _GONE_KEEP_S = 10.0
+REPLICA_WAIT_MS = 1000  # the longest a write that ends jobs waits for --min-replicas
 _FENCE_RECHECK_S = 1.0  # the longest token writes go on without a full ownership check
 
 
 class Writer(threading.Thread):
     def __init__(self, conn: redis.Redis, jobs_key: str, dead_key: str, group: str, me: str,
                  reply_ttl: int, dead_ttl: int, max_events_per_call: int = 1024,
-                 fence_key: str | None = None) -> None:
+                 fence_key: str | None = None, min_replicas: int = 0) -> None:
         super().__init__(name="genq-writer", daemon=True)
         self.conn = conn
         self.scripts = Scripts(conn)
@@ -46,6 +47,10 @@ class Writer(threading.Thread):
         # This worker's fence counter (Keys.fence; WRITE_EVENTS_LUA): while it reads as at the
         # last full ownership check, token writes skip the check. None: check every write.
         self.fence_key = fence_key
+        # --min-replicas: a write that ends jobs waits (WAIT, REPLICA_WAIT_MS) until this many
+        # replicas hold it, so a failover right after loses no end a client may have read.
+        self.min_replicas = min_replicas
+        self.short_acks = 0  # writes that ended jobs before min_replicas acknowledged them
         self._fence_seen = ""  # '' until a write has checked
         self._fence_checked_at = -math.inf
         # Attempts whose ownership a write checked since the counter last moved: the others
@@ -232,7 +237,12 @@ class Writer(threading.Thread):
                                finish_keys(fins, self.jobs_key, self.dead_key, self.mark_ended),
                                finish_args(fins, self.group, self.me, self.reply_ttl,
                                            self.dead_ttl))
+        waits = bool(self.min_replicas and batch.finishes)
+        if waits:
+            pipe.wait(self.min_replicas, REPLICA_WAIT_MS)
         results = pipe.execute()
+        if waits:
+            self._check_acks(int(results.pop()), len(batch.finishes))
         for key in refreshed:  # only now: a retried write must set them again
             ttl_at[key] = now
         walked = False
@@ -276,6 +286,16 @@ class Writer(threading.Thread):
                 del self._verified[fin.entry_id]
             self.finished.put(fin.entry_id)
         self._forget_gone(now)
+
+    def _check_acks(self, acks: int, num_finishes: int) -> None:
+        if acks >= self.min_replicas:
+            return
+        self.short_acks += 1
+        if self.short_acks == 1 or self.short_acks % 100 == 0:
+            log.warning("%d replica(s) of the %d wanted (--min-replicas) acknowledged the end "
+                        "of %d job(s) within %d ms (%d such writes so far): a failover now "
+                        "could lose those ends, and the jobs would run again", acks,
+                        self.min_replicas, num_finishes, REPLICA_WAIT_MS, self.short_acks)
 
     def _warn_unwritable(self, chunk: list[EventWrite], entry_ids: set[str]) -> None:
         for w in chunk:

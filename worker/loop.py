@@ -21,8 +21,7 @@ import threading
 import time
 from typing import Any
 
-import redis
-
+from producer.connection import RETRYABLE, connect
 from producer.protocol import Keys, started_event
 from worker.admission import Admission, Admitted, Rejection, free_capacity
 from worker.batch import Batch, EventWrite
@@ -33,7 +32,7 @@ from worker.held import Held
 from worker.io_thread import Writer
 from worker.metrics import MetricsServer, WorkerMetrics
 from worker.quarantine import EXIT_ENGINE_BROKEN, EngineBroken, Quarantine
-from worker.reader import RETRYABLE, Entry, JobReader
+from worker.reader import Entry, JobReader
 from worker.scripts import flatten_fields
 from worker.writer_process import WriterProcess
 
@@ -54,8 +53,7 @@ class Worker:
         self.keys = Keys(cfg.prefix)
         self.me = cfg.name
         self.jobs_key = self.keys.jobs(cfg.served_model_name)
-        self.conn = redis.Redis.from_url(cfg.redis_url, protocol=2, socket_timeout=10,
-                                         socket_connect_timeout=5)
+        self.conn = connect(cfg.redis_url, socket_timeout=10)
         self.reader = JobReader(cfg, self.keys, self.conn)
         self.admission = Admission(cfg, self.keys, engine.tokenizer, engine.max_model_len,
                                    getattr(engine, "vocab_size", None))
@@ -64,8 +62,10 @@ class Worker:
                        self.me, cfg.result_ttl, cfg.dead_ttl)
         fence = self.keys.fence(cfg.served_model_name, self.me)
         self.writer: Writer | WriterProcess = \
-            WriterProcess(cfg.redis_url, *writer_args, fence_key=fence) \
-            if cfg.writer == "process" else Writer(self.conn, *writer_args, fence_key=fence)
+            WriterProcess(cfg.redis_url, *writer_args, fence_key=fence,
+                          min_replicas=cfg.min_replicas) \
+            if cfg.writer == "process" else Writer(self.conn, *writer_args, fence_key=fence,
+                                                   min_replicas=cfg.min_replicas)
         self.metrics = WorkerMetrics(cfg.served_model_name, self.me, self.jobs_key,
                                      self.keys.group)
         self.metrics.read_stats_from(lambda: (self._stats, len(self.held)))

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets running jobs finish before the rest are handed "
                         "back to the queue (default: %(default)s)")
+    r.add_argument("--min-replicas", type=int, default=0,
+                   help="writes that end jobs wait (up to 1 s, Redis WAIT) until this many "
+                        "replicas hold them, so a failover loses no result a client may have "
+                        "read; short acknowledgements are logged (default: 0, no wait)")
     s = p.add_argument_group("streaming")
     s.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per sequence per tokens event: each sequence's first token is "
@@ -152,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                            result_ttl=args.result_ttl, drain_timeout=args.drain_timeout,
                            limits=limits, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host,
-                           stream_interval=args.stream_interval, writer=args.writer)
+                           stream_interval=args.stream_interval, writer=args.writer,
+                           min_replicas=args.min_replicas)
     except ValueError as exc:
         print(f"genq worker: {exc}", file=sys.stderr)
         return 2

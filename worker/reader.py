@@ -15,16 +15,12 @@ from typing import Any
 
 import redis
 
+from producer.connection import RETRYABLE, connect
 from producer.protocol import Keys, as_str
 from worker.config import WorkerConfig
 from worker.scripts import FENCE_TTL_S, Scripts
 
 log = logging.getLogger("genq.worker")
-# Refusals that pass, retried as a lost connection is: Redis loading its data, out of memory
-# (maxmemory, noeviction), or a replica (a failover demoted it; the name moves to the new
-# primary). (The last two are ResponseErrors: catch RETRYABLE first.)
-RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
-             redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
 Entry = tuple[str, dict[bytes, bytes], int]  # entry id, fields, deliveries (fencing token)
 
 
@@ -35,9 +31,7 @@ class JobReader:
         self.me = cfg.name
         self.jobs_key = keys.jobs(cfg.served_model_name)
         self.conn = conn
-        self.read_conn = redis.Redis.from_url(cfg.redis_url, protocol=2,
-                                              socket_timeout=cfg.block_ms / 1000 + 10,
-                                              socket_connect_timeout=5)
+        self.read_conn = connect(cfg.redis_url, socket_timeout=cfg.block_ms / 1000 + 10)
         self.scripts = Scripts(conn)
         self._next_read = 0.0
         self._backoff = 0.05
