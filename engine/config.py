@@ -8,6 +8,7 @@ _GIB = 1 << 30
 DTYPES = ("float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 OUTPUT_KINDS = ("cumulative", "delta")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     preemption_mode: str = "auto"
+    # "fcfs": requests run in arrival order. "priority" (vLLM's): in (priority, arrival) order,
+    # lower priority values first; a more urgent arrival preempts less urgent running requests
+    # when the cache cannot take it.
+    scheduling_policy: str = "fcfs"
     watermark: float = 0.01
     artificial_preemption_prob: float = 0.0
     artificial_preemption_seed: int = 0
@@ -72,6 +77,9 @@ class EngineConfig:
                              f"got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")

@@ -79,10 +79,14 @@ class Engine:
 
     # -- public API ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None, priority: int = 0) -> None:
+        """Queue a request. `priority` (lower is sooner) needs scheduling_policy="priority"."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (the "
+                             "engine runs 'fcfs')")
         token_ids = self._tokenize(prompt)
         out_of_vocab = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if out_of_vocab:  # (never sampled, and banning it under min_tokens would index past)
@@ -91,7 +95,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(next(self._seq_ids), 0, token_ids, len(token_ids))
         init_offsets(seq)
-        group = SequenceGroup(request_id, params, [seq], seed)
+        group = SequenceGroup(request_id, params, [seq], seed, priority=priority)
         group.plain_greedy = plain_greedy(params)
         self._groups[request_id] = group
         if len(token_ids) >= self.max_model_len:

@@ -26,14 +26,19 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """`priority`: one per prompt, lower runs sooner (scheduling_policy="priority")."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(request_id, prompt, p)  # type: ignore[arg-type]
+        for request_id, prompt, p, rank in zip(ids, prompts, params, priority):
+            self.engine.add_request(request_id, prompt, p, rank)  # type: ignore[arg-type]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():

@@ -18,6 +18,13 @@ budget (max_num_seqs):
    finishes with "error".
 
 Preempted groups go back into their queue in arrival order, so FCFS holds across preemptions.
+
+Under scheduling_policy "priority" (vLLM's), "oldest" reads "most urgent": every queue is
+ordered by (priority, arrival), lower first, and preemption takes the least urgent running group.
+Before step 1, while the most urgent waiting group cannot be admitted (cache or sequence budget)
+and a less urgent group runs, the least urgent running group is preempted for it. Swapped groups
+block only waiting groups that are not more urgent, and are swapped in only ahead of waiting
+groups that are not more urgent. With every priority equal this is FCFS.
 """
 
 from __future__ import annotations
@@ -72,16 +79,18 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self._rng = random.Random(config.artificial_preemption_seed)
+        self._by_priority = config.scheduling_policy == "priority"
         self._preempted_last_step = False
         # num_prompt_tokens: the tokens of the sequences admitted from the waiting queue (a
         # recomputed one's outputs too); num_cached_tokens: those the prefix cache served.
         self.counters = {"num_recompute_preemptions": 0, "num_swap_outs": 0, "num_swap_ins": 0,
                          "num_artificial_preemptions": 0, "num_infeasible": 0,
+                         "num_priority_preemptions": 0,
                          "num_prompt_tokens": 0, "num_cached_tokens": 0}
 
     # -- queues ----------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
-        _insert_by_arrival(self.waiting, group)
+        _insert_by_rank(self.waiting, group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         for queue in (self.waiting, self.running, self.swapped):
@@ -112,10 +121,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.block_manager.cache_computed()  # (the last step's keys and values are written)
+        if self._by_priority:
+            self.running = deque(sorted(self.running, key=_rank))  # (sorted already, mostly)
+            if self.waiting and self.running:
+                self._preempt_for_urgent(out)
         self._schedule_running(out, budget)
         if out.num_preempted == 0:
             self._schedule_swapped(out, budget)
-        if out.num_preempted == 0 and not self.swapped:
+        if out.num_preempted == 0 and (not self.swapped or self._outranks_swapped()):
             self._schedule_waiting(out, budget)
         if out.num_preempted and not self._preempted_last_step:
             logger.warning("preempted %d request(s): the KV cache (%d blocks) is full; "
@@ -157,6 +170,25 @@ class Scheduler:
             kept.append(group)
         self.running = kept
 
+    def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
+        """Preempt the least urgent running groups, while they are less urgent than the most
+        urgent waiting group and it cannot be admitted (its blocks, or its sequences)."""
+        urgent, bm = self.waiting[0], self.block_manager
+        while self.running and self.running[-1].priority > urgent.priority:
+            status = bm.can_allocate(urgent, bm.prefix_hits(urgent))
+            if status is AllocStatus.NEVER:
+                return  # (it ends with an error when its turn comes; preempting cannot help)
+            seqs = sum(max(len(g.live_seqs()), 1 if g.forked else g.width) for g in self.running)
+            if status is AllocStatus.OK and seqs + urgent.width <= self.config.max_num_seqs:
+                return
+            self._preempt(self.running.pop(), out)
+            self.counters["num_priority_preemptions"] += 1
+
+    def _outranks_swapped(self) -> bool:
+        """Under "priority": the most urgent waiting group may be admitted past swapped ones."""
+        return self._by_priority and bool(self.waiting) and \
+            self.waiting[0].priority < self.swapped[0].priority
+
     def _make_room(self, group: SequenceGroup, plan: list[ScheduledSeq],
                    queue: deque[SequenceGroup], out: SchedulerOutput) -> bool:
         """Free blocks for `plan` by preempting the newest running groups; False if `group`
@@ -181,6 +213,8 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped:
             group = self.swapped[0]
+            if self._by_priority and self.waiting and self.waiting[0].priority < group.priority:
+                break  # a more urgent request waits: it goes first
             status = bm.can_swap_in(group)
             if status is AllocStatus.NEVER:
                 self.swapped.popleft()
@@ -204,8 +238,12 @@ class Scheduler:
         max_tokens = self.config.max_num_batched_tokens
         waiting, running, scheduled = self.waiting, self.running, out.scheduled
         cache, counters = bm.cache, self.counters
+        # Under "priority", swapped groups still block the waiting groups not more urgent.
+        gate = self.swapped[0].priority if self.swapped else None
         while waiting:
             group = waiting[0]
+            if gate is not None and group.priority >= gate:
+                break
             seqs = group.seqs
             if len(seqs) == 1 and group.params.best_of == 1 and seqs[0].finish_reason is None \
                     and (cache is None or not cache.has_hit(seqs[0])):
@@ -340,7 +378,7 @@ class Scheduler:
         if mode == "swap" and bm.can_swap_out(group):
             out.blocks_to_swap_out.extend(bm.swap_out(group))
             group.status = SequenceStatus.SWAPPED
-            _insert_by_arrival(self.swapped, group)
+            _insert_by_rank(self.swapped, group)
             self.counters["num_swap_outs"] += 1
             return
         # Recompute (also the fallback when host swap space is exhausted).
@@ -348,7 +386,7 @@ class Scheduler:
         for seq in group.live_seqs():
             seq.reset_for_recompute()
         group.status = SequenceStatus.WAITING
-        _insert_by_arrival(self.waiting, group)
+        _insert_by_rank(self.waiting, group)
         self.counters["num_recompute_preemptions"] += 1
 
     def _artificial_preemption(self) -> bool:
@@ -371,9 +409,15 @@ class Scheduler:
         out.finished.append(group)
 
 
-def _insert_by_arrival(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
-    if not queue or queue[-1].arrival_time <= group.arrival_time:
+def _rank(group: SequenceGroup) -> tuple[int, float]:
+    """Queue order: (priority, arrival); under "fcfs" every priority is 0, so arrival order."""
+    return group.priority, group.arrival_time
+
+
+def _insert_by_rank(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
+    rank = _rank(group)
+    if not queue or _rank(queue[-1]) <= rank:
         queue.append(group)
         return
-    keys = [g.arrival_time for g in queue]
-    queue.insert(bisect.bisect_right(keys, group.arrival_time), group)
+    keys = [_rank(g) for g in queue]
+    queue.insert(bisect.bisect_right(keys, rank), group)

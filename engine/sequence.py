@@ -87,6 +87,7 @@ class SequenceGroup:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    priority: int = 0  # lower runs sooner (scheduling_policy "priority"; 0 under "fcfs")
     plain_greedy: bool = False  # every token the argmax (engine/sampler.py's plain_greedy)
     _prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
