@@ -48,18 +48,21 @@ class AsyncClient(ClientSettings):
 
     async def submit(self, prompt: Prompt | None = None, params: dict[str, Any] | None = None,
                      *, model: str, messages: Messages | None = None, job_id: str | None = None,
-                     deadline: float | None = None, stream: bool = True) -> AsyncJob:
+                     deadline: float | None = None, stream: bool = True,
+                     priority: int = 0) -> AsyncJob:
         """Client.submit's mirror: a prompt, or a chat as `messages=[...]` (keyword)."""
-        spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
+        spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages,
+                             priority)
         (entry_id,) = await self._submit([spec])
         return AsyncJob(self, spec.id, model, created=entry_id is not None,
                         entry_id=None if entry_id is None else as_str(entry_id))
 
     async def submit_many(self, prompts: Sequence[str | Sequence[int]],
                           params: dict[str, Any] | None = None, *, model: str,
-                          stream: bool = True) -> list[AsyncJob]:
+                          stream: bool = True, priority: int = 0) -> list[AsyncJob]:
         """Client.submit_many's mirror: many jobs in one pipelined round trip (fresh ids)."""
-        specs = [make_job_spec(p, params, model, None, None, stream) for p in prompts]
+        specs = [make_job_spec(p, params, model, None, None, stream, priority=priority)
+                 for p in prompts]
         ids = await self._submit(specs)
         return [AsyncJob(self, spec.id, model, created=eid is not None,
                          entry_id=None if eid is None else as_str(eid))

@@ -13,6 +13,10 @@ genq and waits for its result, which Celery writes into its result backend. The 
 Celery task id, so a task redelivered after a bridge crash (acks are late) attaches to the job
 that is already running instead of running it twice. Only json and msgpack are accepted: never
 pickle.
+
+Priority: Celery's `priority` option (`send_task(..., priority=p)`) becomes the job's priority.
+With the Redis broker, Celery's 0 is its most urgent, as genq's lower value runs sooner, so the
+number passes through unchanged. A `priority` in the task's kwargs wins over the option.
 """
 
 from __future__ import annotations
@@ -65,15 +69,18 @@ def create_app(broker: str, redis_url: str, *, backend: str | None = None,
     @app.task(name=TASK_NAME, bind=True)  # type: ignore[untyped-decorator]
     def generate(self: Any, prompt: str | Sequence[int], model: str,
                  params: dict[str, Any] | None = None, job_id: str | None = None,
-                 deadline: float | None = None) -> dict[str, Any]:
+                 deadline: float | None = None,
+                 priority: int | None = None) -> dict[str, Any]:
         # Nobody reads the result after `timeout`: past it, a worker does not start the job
         # (the deadline) or stops it (the cancel), as the gateway does for its requests.
         if deadline is None:
             deadline = time.time() + timeout
+        if priority is None:
+            priority = (self.request.delivery_info or {}).get("priority") or 0
         try:
             job = client.submit(prompt, params or {}, model=model,
                                 job_id=job_id or self.request.id, deadline=deadline,
-                                stream=False)
+                                stream=False, priority=priority)
         except ProtocolError as exc:
             raise GenqJobFailed(f"job rejected ({exc.code}): {exc.message}") from None
         try:

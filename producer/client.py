@@ -66,7 +66,7 @@ Messages = Sequence[dict[str, str]]
 
 def make_job_spec(prompt: Prompt | None, params: dict[str, Any] | None, model: str,
                   job_id: str | None, deadline: float | None, stream: bool,
-                  messages: Messages | None = None) -> JobSpec:
+                  messages: Messages | None = None, priority: int = 0) -> JobSpec:
     """Build and check a job: a prompt (text or token ids) or chat `messages` ([{"role",
     "content"}, ...], templated by the worker), not both. Sampling without a seed gets a seed
     here, so a replay after a failover samples the same tokens."""
@@ -81,7 +81,7 @@ def make_job_spec(prompt: Prompt | None, params: dict[str, Any] | None, model: s
     chat = None if messages is None else [dict(m) for m in messages]
     spec = JobSpec(id=job_id or uuid.uuid4().hex, model=model, prompt=text, prompt_token_ids=ids,
                    messages=chat, params=params, seed=seed, created=time.time(), deadline=deadline,
-                   stream=stream)
+                   stream=stream, priority=priority)
     return check_job_spec(spec)
 
 
@@ -177,19 +177,24 @@ class Client(ClientSettings):
 
     def submit(self, prompt: Prompt | None = None, params: dict[str, Any] | None = None, *,
                model: str, messages: Messages | None = None, job_id: str | None = None,
-               deadline: float | None = None, stream: bool = True) -> Job:
+               deadline: float | None = None, stream: bool = True,
+               priority: int = 0) -> Job:
         """Enqueue one job: a prompt (text or token ids), or a chat as `messages=[{"role": ...,
-        "content": ...}, ...]` that the worker renders with the model's chat template."""
-        spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages)
+        "content": ...}, ...]` that the worker renders with the model's chat template.
+        `priority`: lower runs sooner (vLLM's meaning; workers under --scheduling-policy
+        priority, the default, order their admitted jobs by it)."""
+        spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages,
+                             priority)
         (entry_id,) = self._submit([spec])
         return Job(self, spec.id, model, created=entry_id is not None,
                    entry_id=None if entry_id is None else as_str(entry_id))
 
     def submit_many(self, prompts: Sequence[str | Sequence[int]],
                     params: dict[str, Any] | None = None, *, model: str,
-                    stream: bool = True) -> list[Job]:
+                    stream: bool = True, priority: int = 0) -> list[Job]:
         """Submit many jobs in one pipelined round trip (fresh ids)."""
-        specs = [make_job_spec(p, params, model, None, None, stream) for p in prompts]
+        specs = [make_job_spec(p, params, model, None, None, stream, priority=priority)
+                 for p in prompts]
         ids = self._submit(specs)
         return [Job(self, spec.id, model, created=eid is not None,
                     entry_id=None if eid is None else as_str(eid))

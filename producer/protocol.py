@@ -238,6 +238,7 @@ class JobSpec:
     created: float = 0.0
     deadline: float | None = None
     stream: bool = True
+    priority: int = 0  # lower is sooner (vLLM's meaning); on the wire only when not 0
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"id": self.id, "model": self.model, "params": self.params,
@@ -249,9 +250,12 @@ class JobSpec:
             wire["prompt_token_ids"] = self.prompt_token_ids
         if self.messages is not None:
             wire["messages"] = self.messages
+        if self.priority:
+            wire["priority"] = self.priority
         return wire
 
 
+PRIORITY_LIMIT = 2**31
 _JOB_FIELDS: dict[str, tuple[Check, str]] = {
     "id": (_is_str, "str"),
     "model": (_is_str, "str"),
@@ -263,6 +267,8 @@ _JOB_FIELDS: dict[str, tuple[Check, str]] = {
     "created": (_is_num, "number"),
     "deadline": (_opt(_is_num), "number or None"),
     "stream": (_is_bool, "bool"),
+    "priority": (lambda v: _is_int(v) and -PRIORITY_LIMIT <= v < PRIORITY_LIMIT,  # type: ignore
+                 "int in [-2**31, 2**31)"),
 }
 _REQUIRED_JOB_FIELDS = ("id", "model", "params")
 
@@ -407,7 +413,7 @@ def _job_from_map(obj: dict[Any, Any]) -> JobSpec:
                    params=check_params(obj["params"], valid_id), seed=obj.get("seed"),
                    created=float(obj.get("created", 0.0)),
                    deadline=None if obj.get("deadline") is None else float(obj["deadline"]),
-                   stream=obj.get("stream", True))
+                   stream=obj.get("stream", True), priority=obj.get("priority", 0))
 
 
 MESSAGE_FIELDS = ("role", "content")

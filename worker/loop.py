@@ -30,6 +30,7 @@ from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat, name_in_use
 from worker.held import Held
 from worker.io_thread import Writer
+from worker.jobs import ActiveJob
 from worker.metrics import MetricsServer, WorkerMetrics
 from worker.quarantine import EXIT_ENGINE_BROKEN, EngineBroken, Quarantine
 from worker.reader import Entry, JobReader
@@ -242,6 +243,11 @@ class Worker:
 
     # ------------------------------------------------------------------ admission
 
+    def priority_of(self, job: ActiveJob) -> int:
+        """The job's priority for the engine: its own under --scheduling-policy priority, else
+        0 (an FCFS engine takes none)."""
+        return job.spec.priority if self.engine.config.scheduling_policy == "priority" else 0
+
     def _admit(self, entries: list[Entry]) -> None:
         if not entries:
             return
@@ -261,7 +267,8 @@ class Worker:
                 d = self.held.rejection(d.job, "cancelled", "cancelled by the client")
             if isinstance(d, Admitted):
                 try:
-                    self.engine.add_request(d.job.entry_id, d.prompt, d.params)
+                    self.engine.add_request(d.job.entry_id, d.prompt, d.params,
+                                            self.priority_of(d.job))
                 except Exception as exc:  # the engine's ValueError, or a job it chokes on
                     d = self.held.rejection(d.job, "bad_prompt", f"{type(exc).__name__}: {exc}")
             if isinstance(d, Rejection):

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when the KV cache is full, recompute preempted requests later or swap "
                         "their blocks to host memory (auto: swap requests with several sequences, "
                         "recompute single ones; default: %(default)s)")
+    e.add_argument("--scheduling-policy", default="priority", choices=["priority", "fcfs"],
+                   help="priority: the jobs this worker holds run in (priority, arrival) order, "
+                        "and a more urgent job preempts less urgent running ones when the KV "
+                        "cache is full (with every priority 0, the same as fcfs); fcfs: arrival "
+                        "order, job priorities ignored (default: %(default)s)")
     e.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of host swap space (default: %(default)s)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
+            scheduling_policy=args.scheduling_policy,
             swap_space=args.swap_space, seed=args.seed, num_threads=args.num_threads,
             output_kind="delta", enable_prefix_caching=EngineConfig.enable_prefix_caching
             if args.enable_prefix_caching is None else args.enable_prefix_caching)

@@ -149,7 +149,8 @@ class Quarantine:
                 continue
             self._rewind(job, decided.params)
             try:
-                self.engine.add_request(entry, decided.prompt, decided.params)
+                self.engine.add_request(entry, decided.prompt, decided.params,
+                                        w.priority_of(job))
             except Exception as exc:  # it was added once already; do not retry it
                 w.held.end_early(job, "engine_error", _verdict(exc))
 

@@ -192,7 +192,8 @@ def test_a_task_whose_bridge_died_is_delivered_again_and_attaches_to_the_running
 def test_a_task_that_times_out_cancels_its_job_and_gave_it_a_deadline(redis_url: str,
                                                                        tmp_path: Path) -> None:
     """Past the bridge's --timeout nobody reads the result: the job carries that deadline (a
-    worker will not start it later) and is cancelled, as the gateway does."""
+    worker will not start it later) and is cancelled, as the gateway does. Celery's priority
+    option is the job's priority."""
     import time
 
     from producer.protocol import Keys, decode_job_entry
@@ -202,7 +203,7 @@ def test_a_task_that_times_out_cancels_its_job_and_gave_it_a_deadline(redis_url:
         sent = time.time()
         result = celery_app(redis_url, "json").send_task(
             "genq.generate", kwargs={"prompt": PROMPT, "model": "nobody-serves-this"},
-            queue="slow")
+            queue="slow", priority=3)
         with pytest.raises(Exception, match="no terminal event within 1.0 s; the job was "
                                             "cancelled"):
             result.get(timeout=60)
@@ -211,6 +212,6 @@ def test_a_task_that_times_out_cancels_its_job_and_gave_it_a_deadline(redis_url:
     conn, keys = redis.Redis.from_url(redis_url), Keys()
     [(_, fields)] = conn.xrange(keys.jobs("nobody-serves-this"))
     spec, _ = decode_job_entry(fields)
-    assert spec.id == result.id and spec.deadline is not None
+    assert spec.id == result.id and spec.deadline is not None and spec.priority == 3
     assert sent < spec.deadline < sent + 1 + 30  # submitted at most 30 s after sending
     assert conn.exists(keys.cancel(result.id)) == 1
