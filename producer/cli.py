@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("producer.gateway:main", "OpenAI-compatible HTTP gateway (FastAPI + uvicorn)"),
     "celery-bridge": ("producer.celery_bridge:main", "serve genq.generate to Celery apps"),
     "bench": ("producer.bench:bench_main", "round trips through a running fleet, timed by Redis"),
+    "run-batch": ("producer.run_batch:main", "an OpenAI batch file through the queue (vLLM's "
+                  "run-batch)"),
 }
 
 

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -142,6 +143,22 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
     `return_exceptions` one in place of each unfinished job."""
     from producer.client import JobError
 
+    out: list[Any] = [None] * len(jobs)
+    for index, value in iter_results(conn, jobs, timeout):
+        if isinstance(value, TimeoutError) and not return_exceptions:
+            raise value
+        out[index] = value
+    if not return_exceptions:
+        for value in out:
+            if isinstance(value, JobError):
+                raise value
+    return out
+
+
+def iter_results(conn: redis.Redis, jobs: Sequence[Job],
+                 timeout: float | None) -> Iterator[tuple[int, Any]]:
+    """(index in jobs, its done event or JobError) as each job ends, in the order they are
+    seen; when `timeout` seconds pass, (index, TimeoutError) for each job still unfinished."""
     end = None if timeout is None else time.monotonic() + timeout
     wait = _Wait(conn, jobs)
     next_pass = 0.0
@@ -165,14 +182,15 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
                 wait.expired_pass()
             except _RETRYABLE:
                 pass
+        while wait.ended:
+            index = wait.ended.popleft()
+            yield index, wait.out[index]
         if wait.waiting and end is not None and time.monotonic() >= end:
             late = TimeoutError(f"{len(wait.waiting)} of {len(jobs)} job(s) had no terminal "
                                 f"event within {timeout} s")
-            if not return_exceptions:
-                raise late
-            for index in wait.waiting.values():
-                wait.out[index] = late
-            break
+            for index in list(wait.waiting.values()):
+                yield index, late
+            return
         if wait.waiting and changed == 0:
             left = _BLOCK_MS if end is None else (end - time.monotonic()) * 1000
             try:
@@ -180,11 +198,9 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
             except _RETRYABLE:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
-    if not return_exceptions:
-        for value in wait.out:
-            if isinstance(value, JobError):
-                raise value
-    return wait.out
+    while wait.ended:
+        index = wait.ended.popleft()
+        yield index, wait.out[index]
 
 
 class _Wait:
@@ -195,6 +211,7 @@ class _Wait:
         self.conn = conn
         self.jobs = jobs
         self.out: list[Any] = [None] * len(jobs)
+        self.ended: deque[int] = deque()  # indexes whose out[] was set, not yet handed on
         self.waiting: dict[str, int] = {}  # reply key -> index in jobs, oldest first
         for i, job in enumerate(jobs):
             if job.reply_key in self.waiting:
@@ -246,6 +263,7 @@ class _Wait:
                     index = self.waiting.pop(key)
                     del self.seen[key]
                     self.out[index] = ResultExpired(self.jobs[index].id)
+                    self.ended.append(index)
 
     def _pass_last_entries(self) -> int:
         changed = 0
@@ -297,6 +315,7 @@ class _Wait:
             self.out[index] = result_from_events(self.jobs[index].id, event)
         except JobError as exc:
             self.out[index] = exc
+        self.ended.append(index)
 
 
 def _refused(exc: redis.ResponseError) -> bool:
