@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from producer.protocol import REPLY_FIELD, Keys, decode_event
-from tests.fleet.harness import RedisServer, WorkerFactory, wait_for, wait_heartbeats
+from tests.fleet.harness import RedisServer, serving_worker, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = ["the quick brown fox", "def main(", "import os", "hello world", "a b c", "for i in"]
@@ -27,13 +27,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterato
     tmp = tmp_path_factory.mktemp("run-batch")
     server = RedisServer(tmp)
     server.start()
-    workers = WorkerFactory(tmp)
-    try:
-        worker = workers.start(server.url, tiny_llama, "rb", "--max-num-seqs", "2")
-        wait_heartbeats(server, [worker])
-        yield server
+    try:  # (the worker runs two jobs at a time: a long batch takes seconds)
+        for _worker in serving_worker(server, tiny_llama, tmp, "rb", "--max-num-seqs", "2"):
+            yield server
     finally:
-        workers.stop_all()
         server.kill()
 
 
@@ -58,17 +55,26 @@ def line(custom_id: str, body: dict[str, Any], url: str = "/v1/completions") -> 
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
-def run_batch(server: RedisServer, inp: Path, out: Path, *extra: str,
-              background: bool = False) -> subprocess.Popen[bytes] | int:
+def start(server: RedisServer, inp: Path, out: Path) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "producer.cli", "run-batch", "-i", str(inp), "-o", str(out),
-            "--redis", server.url, "--no-progress", *extra]
-    proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+            "--redis", server.url, "--no-progress"]
+    return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    if background:
-        return proc
+
+
+def run_batch(server: RedisServer, inp: Path, out: Path) -> None:
+    proc = start(server, inp, out)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode()
-    return proc.returncode
+
+
+def started_with(server: RedisServer, inp: Path, out: Path,
+                 lines: int) -> subprocess.Popen[bytes]:
+    """run-batch in the background, once it has written `lines` output lines."""
+    proc = start(server, inp, out)
+    wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= lines, timeout=120,
+             what=f"{lines} line(s) written")
+    return proc
 
 
 def read_out(path: Path) -> list[dict[str, Any]]:
@@ -134,10 +140,7 @@ def long_batch(tmp_path: Path, lines: int) -> Path:
 def test_a_killed_run_resumes_and_runs_nothing_twice(fleet: RedisServer, offline: Any,
                                                      tmp_path: Path) -> None:
     inp, out = long_batch(tmp_path, 10), tmp_path / "out.jsonl"
-    proc = run_batch(fleet, inp, out, background=True)
-    assert isinstance(proc, subprocess.Popen)
-    wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= 2, timeout=120,
-             what="two lines written")
+    proc = started_with(fleet, inp, out, 2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert len(read_out(out)) < 10
@@ -155,10 +158,7 @@ def test_a_killed_run_resumes_and_runs_nothing_twice(fleet: RedisServer, offline
 def test_ctrl_c_cancels_what_it_waits_for_and_a_rerun_completes(fleet: RedisServer,
                                                                  tmp_path: Path) -> None:
     inp, out = long_batch(tmp_path, 16), tmp_path / "out.jsonl"
-    proc = run_batch(fleet, inp, out, background=True)
-    assert isinstance(proc, subprocess.Popen)
-    wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= 1, timeout=120,
-             what="a line written")
+    proc = started_with(fleet, inp, out, 1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()

@@ -71,13 +71,6 @@ def sentinels(tmp_path: Path) -> Iterator[SentinelSet]:
     s.stop()
 
 
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[WorkerFactory]:
-    factory = WorkerFactory(tmp_path)
-    yield factory
-    factory.stop_all()
-
-
 def wait_worker(sentinels: SentinelSet, name: str, workers: WorkerFactory) -> None:
     def up() -> bool:
         for w in workers.workers:
