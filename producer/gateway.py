@@ -9,9 +9,11 @@ heartbeats.
 Contracts:
 - One job per prompt; the job's id is the `Genq-Job-Id` request header (an idempotency key: it
   runs once) or a fresh one, and comes back in the `Genq-Job-Id` response header.
-- `stream: true` answers server-sent events whose `id:` is the reply-stream entry id. The same
-  request sent again with the same Genq-Job-Id and a `Last-Event-ID` header resumes after that
-  entry (the job is not submitted twice).
+- `stream: true` answers plain `data:` server-sent events, as OpenAI's server does (clients that
+  strip a leading `data: ` and parse JSON read them). A request that asks to resume (a
+  `Last-Event-ID` header) or opts in (`Genq-Resumable: 1`) also gets an `id:` line, the reply
+  entry id, before each event: the same request sent again with the same Genq-Job-Id and a
+  `Last-Event-ID` header resumes after that entry (the job is not submitted twice).
 - A client that disconnects cancels its job(s) after `resume_grace_s` (a resume within it keeps
   the job running; the grace is per gateway process).
 - Errors are OpenAI's shape {"error": {message, type, param, code}}: 400 bad params, 404 unknown
@@ -65,6 +67,7 @@ from producer.protocol import (
 
 T = TypeVar("T")
 JOB_ID_HEADER = "Genq-Job-Id"
+RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,7 @@ class Gateway:
         shaper = Choices(req, chat, response_id, reader.created or int(time.time()), prompts)
         for event in reader.replayed:  # a resume: what the client already has shapes the rest
             shaper.sse_payloads(event)  # (no second role or echo, nor the whole text at the end)
+        with_ids = resume_after is not None or wants_ids(request)
 
         async def body() -> AsyncIterator[str]:
             finished = False
@@ -254,8 +258,9 @@ class Gateway:
                             await events.aclose()
                             yield f"data: {json.dumps(void)}\n\n"
                             return
+                        head = f"id: {entry_id}\n" if with_ids else ""
                         for data in shaper.sse_payloads(event):
-                            yield f"id: {entry_id}\ndata: {json.dumps(data)}\n\n"
+                            yield f"{head}data: {json.dumps(data)}\n\n"
                         finished = event["type"] in ("done", "error")
                     yield "data: [DONE]\n\n"
             except GatewayError as exc:  # e.g. no terminal event before the deadline
@@ -268,6 +273,11 @@ class Gateway:
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache"})
+
+
+def wants_ids(request: Request) -> bool:
+    """The client opted in to `id:` lines (to resume later) without resuming now."""
+    return request.headers.get(RESUMABLE_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
 async def anext_or_none(it: AsyncIterator[T]) -> T | None:

@@ -60,10 +60,11 @@ def offline() -> Oracle:
 
 def sse(gateway: GatewayProcess, body: dict[str, Any], headers: dict[str, str] | None = None,
         route: str = "/v1/completions") -> list[tuple[str | None, Any]]:
-    """(event id, data) for each server-sent event of a streamed completion (or chat)."""
+    """(event id, data) for each server-sent event of a streamed completion (or chat), asked
+    for with the opt-in to `id:` lines (Genq-Resumable) that a later resume needs."""
     events: list[tuple[str | None, Any]] = []
     with httpx.stream("POST", f"{gateway.url}{route}", json={**body, "stream": True},
-                      headers=headers or {}, timeout=120) as resp:
+                      headers={"Genq-Resumable": "1", **(headers or {})}, timeout=120) as resp:
         assert resp.status_code == 200, resp.read()
         event_id = None
         for line in resp.iter_lines():
