@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("producer.cli:submit_main", "submit one job and stream its text"),
     "status": ("producer.cli:status_main", "queues and workers as a table"),
     "worker": ("worker.main:main", "serve one model on one device (imports the engine)"),
-    "gateway": ("producer.gateway:main", "OpenAI-compatible HTTP gateway (FastAPI + uvicorn)"),
+    "gateway": ("producer.gateway_app:main", "OpenAI-compatible HTTP gateway (FastAPI + uvicorn)"),
     "celery-bridge": ("producer.celery_bridge:main", "serve genq.generate to Celery apps"),
     "bench": ("producer.bench:bench_main", "round trips through a running fleet, timed by Redis"),
 }
