@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -149,7 +150,9 @@ class Gateway:
         specs = []
         for job_id, (prompt, chat) in zip(ids, inputs, strict=True):
             try:
-                spec = make_job_spec(prompt, params, model, job_id, deadline, stream, chat)
+                spec = dataclasses.replace(  # (OpenAI's rule: over the context is a 400)
+                    make_job_spec(prompt, params, model, job_id, deadline, stream, chat),
+                    fit_context=True)
                 check_limits(spec, self.cfg.limits)
                 payload = encode_job_entry(spec)["job"]  # (encoded once: measured, then sent)
                 check_job_bytes(spec.id, payload, self.cfg.limits)  # (else the worker's too_large)

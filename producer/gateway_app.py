@@ -28,7 +28,7 @@ from redis import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producer import openai_schema as oa
-from producer.flags import add_limit_args, add_redis_args, limits_from_args
+from producer.flags import DefaultsHelpFormatter, add_limit_args, add_redis_args, limits_from_args
 from producer.gateway import Gateway, GatewayConfig
 from producer.gateway_limits import BodyLimit
 from producer.openai_schema import GatewayError
@@ -148,7 +148,8 @@ def app_from_env() -> FastAPI:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="genq gateway", description="OpenAI-compatible gateway")
+    p = argparse.ArgumentParser(prog="genq gateway", description="OpenAI-compatible gateway",
+                                formatter_class=DefaultsHelpFormatter)
     add_redis_args(p)
     p.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")

@@ -79,3 +79,45 @@ def test_a_stream_that_opts_in_gets_an_id_line_before_each_event(
     data_events = events[:-1]
     assert all(e.id.count("-") == 1 for e in data_events), [e.id for e in data_events]
     assert "".join(json.loads(e.data)["choices"][0]["text"] for e in data_events) == whole_text
+
+
+@pytest.mark.parametrize("method, path, content, message, code", [
+    ("GET", "/v1/nothing", None, "no route GET /v1/nothing: the gateway serves /v1/completions, "
+     "/v1/chat/completions, /v1/models and /health", "not_found"),
+    ("POST", "/v1/completions", b'{"model": "tiny",, "prompt": "x"}', "the request body is not "
+     "valid JSON: Expecting property name enclosed in double quotes (at character 17)",
+     "invalid_json"),
+    ("POST", "/v1/completions", b"", "the request body must be a JSON object, sent with "
+     "Content-Type: application/json", "invalid_json"),
+])
+def test_every_error_comes_in_openais_shape(fleet: tuple[RedisServer, GatewayProcess],
+                                            method: str, path: str, content: bytes | None,
+                                            message: str, code: str) -> None:
+    resp = httpx.request(method, f"{fleet[1].url}{path}", content=content, timeout=30,
+                         headers={"content-type": "application/json"})
+    assert (resp.status_code, resp.json()) == (404 if code == "not_found" else 400, {"error": {
+        "message": message, "type": "invalid_request_error", "param": None, "code": code}})
+
+
+def test_models_retrieve_gives_a_served_model_and_404s_another(client: openai.OpenAI) -> None:
+    model = client.models.retrieve("tiny")
+    assert (model.id, model.object, model.owned_by) == ("tiny", "model", "genq")
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("tiny-typo")
+    assert err.value.code == "model_not_found"
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_a_400_in_vllms_words(
+        client: openai.OpenAI) -> None:
+    """The demo model's context is 512 tokens: 3 prompt tokens leave room for 509; a short text
+    prompt fits with 500."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=510)
+    assert err.value.code == "context_length_exceeded"
+    assert err.value.body["message"] == (  # type: ignore[index]
+        "This model's maximum context length is 512 tokens. However, you requested 513 tokens "
+        "(3 in the messages, 510 in the completion). Please reduce the length of the messages "
+        "or completion.")
+    fits = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=500, stop=",",
+                                     temperature=0)
+    assert fits.choices[0].finish_reason == "stop"
