@@ -121,3 +121,19 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_in_vllms_words(
     fits = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=500, stop=",",
                                      temperature=0)
     assert fits.choices[0].finish_reason == "stop"
+
+
+def test_chat_works_on_the_demo_model_out_of_the_box(client: openai.OpenAI) -> None:
+    """The README's chat call: the worker applies the demo model's own template, exactly as
+    transformers renders it (the same ids sent as a prompt give the same greedy text)."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Write a function that reads a file."}]
+    ids = AutoTokenizer.from_pretrained(MODEL_DIR).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    chat = client.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
+                                          max_tokens=24, temperature=0)
+    prompt = client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == prompt.choices[0].text
+    assert chat.choices[0].message.content.strip()  # type: ignore[union-attr]
+    assert chat.usage.prompt_tokens == len(ids)  # type: ignore[union-attr]
