@@ -2,6 +2,9 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
+# What each target needs, installed once: the demo only the base package (engine, worker,
+# client) on CPU torch; tests and lint every extra.
+BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 # Where torch's CPU wheel comes from: pip's own indexes by default (they serve the CPU build
 # here); on a machine whose pip reaches PyPI, whose Linux wheel is the CUDA build, pass
@@ -12,11 +15,15 @@ TORCH_INDEX ?=
 
 setup: $(STAMP) redis-server
 
-$(STAMP): pyproject.toml
+$(BASE_STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	# The CPU wheel first: anything else would pull a multi-GB CUDA build.
 	$(VPY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
+	$(VPY) -m pip install --quiet -e .
+	touch $(BASE_STAMP)
+
+$(STAMP): $(BASE_STAMP)
 	$(VPY) -m pip install --quiet -e '.[test,kernels,gateway,celery]'
 	touch $(STAMP)
 
@@ -28,7 +35,7 @@ redis-server:
 	    echo "redis-server is missing: run 'sudo apt-get install redis-server' and retry"; exit 1; \
 	  fi; }
 
-demo: setup
+demo: $(BASE_STAMP) redis-server
 	$(VPY) -m benchmarks.demo
 
 lint: setup

@@ -30,6 +30,11 @@ from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "models" / "genq-tiny-stdlib"
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]  # ids 0, 1, 2
+# A chat as Python comments, the assistant's turn opening a `def`: a model trained on Python
+# source answers with Python-shaped text rather than newlines.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}# {{ m['role'] }}: "
+                 "{{ m['content'] | replace('\\n', '\\n# ') }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}# assistant:\ndef{% endif %}")
 BOS, EOS, PAD = SPECIAL_TOKENS
 # Directories of the standard library that are not ordinary library code (tests, vendored or
 # generated modules, data tables): they would teach the model fixtures and byte strings.
@@ -230,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(args.out))  # float32, model.safetensors
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(args.out))
     meta = {"python": sysconfig.get_python_version(), "files": len(train_docs),
             "tokens": len(stream), "steps": steps, "tokens_seen": tokens_seen,

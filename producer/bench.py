@@ -17,20 +17,22 @@ from typing import Any
 
 from producer.cli import unserved_warning
 from producer.client import Client
-from producer.flags import add_redis_args
+from producer.flags import DefaultsHelpFormatter, add_redis_args
 from producer.protocol import REPLY_FIELD, decode_event
 
 
 def bench_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="genq bench", description=__doc__)
-    parser.add_argument("--model", required=True)
+    parser = argparse.ArgumentParser(prog="genq bench", description=__doc__,
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--model", required=True, help="served model name")
     add_redis_args(parser)
     parser.add_argument("--jobs", type=int, default=1000, help="(default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=1, help="(default: %(default)s)")
-    parser.add_argument("--prompt", default="the quick brown fox")
+    parser.add_argument("--prompt", default="the quick brown fox", help="every job's prompt")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--no-stream", action="store_true", help="done events only")
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds to wait for all results")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.jobs < 1:

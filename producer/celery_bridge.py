@@ -30,7 +30,7 @@ from typing import Any
 from celery import Celery
 
 from producer.client import Client, JobError
-from producer.flags import add_redis_args
+from producer.flags import DefaultsHelpFormatter, add_redis_args
 from producer.protocol import DEFAULT_PREFIX, ProtocolError
 
 TASK_NAME = "genq.generate"
@@ -96,7 +96,7 @@ def create_app(broker: str, redis_url: str, *, backend: str | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="genq celery-bridge", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--broker", required=True, help="Celery broker URL (redis://...)")
     p.add_argument("--backend", default=None,
                    help="Celery result backend URL (default: the broker URL)")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--visibility-timeout", type=float, default=None,
                    help="seconds before a task a dead bridge held is delivered again "
                         "(default: kombu's, one hour)")
-    p.add_argument("--loglevel", default="INFO")
+    p.add_argument("--loglevel", default="INFO", help="Celery's log level")
     args = p.parse_args(argv)
     if args.concurrency < 1:
         p.error("--concurrency must be at least 1")

@@ -16,14 +16,21 @@ from typing import Any
 
 import redis
 
-from producer.flags import add_redis_args
-from producer.protocol import Keys, ProtocolError, as_str, decode_heartbeat, waiting_entries
+from producer.flags import DefaultsHelpFormatter, add_limit_args, add_redis_args, limits_from_args
+from producer.protocol import (
+    Keys,
+    ProtocolError,
+    as_str,
+    check_limits,
+    decode_heartbeat,
+    waiting_entries,
+)
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("producer.cli:submit_main", "submit one job and stream its text"),
     "status": ("producer.cli:status_main", "queues and workers as a table"),
     "worker": ("worker.main:main", "serve one model on one device (imports the engine)"),
-    "gateway": ("producer.gateway:main", "OpenAI-compatible HTTP gateway (FastAPI + uvicorn)"),
+    "gateway": ("producer.gateway_app:main", "OpenAI-compatible HTTP gateway (FastAPI + uvicorn)"),
     "celery-bridge": ("producer.celery_bridge:main", "serve genq.generate to Celery apps"),
     "bench": ("producer.bench:bench_main", "round trips through a running fleet, timed by Redis"),
     "run-batch": ("producer.run_batch:main", "an OpenAI batch file through the queue (vLLM's "
@@ -62,10 +69,11 @@ def _usage() -> str:
 # --------------------------------------------------------------------------- submit
 
 def submit_main(argv: list[str]) -> int:
-    from producer.client import Client, JobError
+    from producer.client import Client, JobError, make_job_spec
 
     parser = argparse.ArgumentParser(prog="genq submit", description="submit one job: a "
-                                     "prompt, or a chat with --messages")
+                                     "prompt, or a chat with --messages",
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("prompt", nargs="?", default=None, help="prompt text")
     parser.add_argument("--messages", default=None, metavar="JSON_OR_FILE",
                         help='a chat instead of a prompt: a JSON list of {"role", "content"} '
@@ -91,6 +99,10 @@ def submit_main(argv: list[str]) -> int:
                         help="seconds to wait for the end; then the job is cancelled "
                              "(default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the done event as JSON")
+    parser.add_argument("--allow-no-worker", action="store_true",
+                        help="enqueue even when no live worker serves --model (the job waits "
+                             "for one); without it such a job is refused at once")
+    add_limit_args(parser, "genq submit (before enqueueing: give it the workers' caps)")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.messages is None):
         parser.error("give a prompt or --messages, not both")
@@ -103,14 +115,24 @@ def submit_main(argv: list[str]) -> int:
                                 ("temperature", args.temperature), ("top_p", args.top_p),
                                 ("top_k", args.top_k), ("seed", args.seed), ("stop", args.stop))
               if v is not None}
+    try:  # the protocol's own checks and the caps, before anything is enqueued
+        check_limits(make_job_spec(args.prompt, params, args.model, args.job_id, None, True,
+                                   messages), limits_from_args(args))
+    except ProtocolError as exc:
+        print(f"genq submit: {exc.message}", file=sys.stderr)
+        return 2
     with Client(args.redis, prefix=args.prefix) as client:
+        unserved = unserved_warning(client, args.model)
+        if unserved and not args.allow_no_worker:
+            print(f"genq submit: {unserved.split('; ')[0]}: nothing was enqueued "
+                  "(--allow-no-worker queues it for a worker yet to start)", file=sys.stderr)
+            return 1
         try:
             job = client.submit(args.prompt, params, model=args.model, messages=messages,
                                 job_id=args.job_id)
         except ProtocolError as exc:
             print(f"genq submit: {exc}", file=sys.stderr)
             return 2
-        unserved = unserved_warning(client, args.model)
         if unserved:
             print(f"genq submit: {unserved}", file=sys.stderr)
         live = not args.json and params.get("n", 1) == 1
@@ -198,7 +220,8 @@ def _print_done(event: dict[str, Any], as_json: bool, live: bool) -> None:
 def status_main(argv: list[str]) -> int:
     from producer.client import connect
 
-    parser = argparse.ArgumentParser(prog="genq status", description="queues and workers")
+    parser = argparse.ArgumentParser(prog="genq status", description="queues and workers",
+                                     formatter_class=DefaultsHelpFormatter)
     add_redis_args(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -10,6 +10,20 @@ import os
 from producer.protocol import DEFAULT_PREFIX, Limits, ProtocolError, validate_name
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's --help gives each option's default (or says it is required), unless its
+    help text already says it; switches (store_true) have none to give."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or "default" in text
+                or action.default is argparse.SUPPRESS):
+            return text
+        if action.required:
+            return f"{text} (required)".strip()
+        return f"{text} (default: {'none' if action.default is None else '%(default)s'})".strip()
+
+
 def redis_url(value: str) -> str:
     """argparse type: a URL genq can connect to (producer.connection: redis://, rediss://,
     unix://, redis+sentinel://): a usage error now, not a traceback later."""

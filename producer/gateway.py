@@ -1,32 +1,32 @@
-"""`genq gateway`: an OpenAI-compatible HTTP front (FastAPI + uvicorn) for a genq fleet.
+"""The OpenAI-compatible gateway's core: a request's jobs submitted, read and shaped into OpenAI
+answers (producer/gateway_app.py holds the HTTP app and the command line).
 
-    genq gateway --redis redis://127.0.0.1:6379/0 --host 127.0.0.1 --port 8000
-
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health. The OpenAI
-`model` is the served model name jobs route by; /v1/models lists the names in live workers'
-heartbeats.
+The OpenAI `model` is the served model name jobs route by; /v1/models lists the names in live
+workers' heartbeats.
 
 Contracts:
 - One job per prompt; the job's id is the `Genq-Job-Id` request header (an idempotency key: it
   runs once) or a fresh one, and comes back in the `Genq-Job-Id` response header.
-- `stream: true` answers server-sent events whose `id:` is the reply-stream entry id. The same
-  request sent again with the same Genq-Job-Id and a `Last-Event-ID` header resumes after that
-  entry (the job is not submitted twice).
+- `stream: true` answers plain `data:` server-sent events, as OpenAI's server does (clients that
+  strip a leading `data: ` and parse JSON read them). A request that asks to resume (a
+  `Last-Event-ID` header) or opts in (`Genq-Resumable: 1`) also gets an `id:` line, the reply
+  entry id, before each event: the same request sent again with the same Genq-Job-Id and a
+  `Last-Event-ID` header resumes after that entry (the job is not submitted twice).
 - A client that disconnects cancels its job(s) after `resume_grace_s` (a resume within it keeps
   the job running; the grace is per gateway process).
-- Errors are OpenAI's shape {"error": {message, type, param, code}}: 400 bad params, 404 unknown
-  model, 429 queue depth (waiting + running jobs of the model) at or over max_queue_depth, 503 no
-  live worker serves a model that has a queue or Redis cannot be reached, 504 the job's deadline
-  (now + timeout_s) passed.
+- Request-level limits come before anything is enqueued (producer/gateway_limits.py).
+- Errors are OpenAI's shape {"error": {message, type, param, code}}: 400 bad params or a request
+  over a limit, 404 unknown model or route, 429 no room in the model's queue (waiting + running
+  jobs, plus the request's prompts x n, over max_queue_depth), 503 no live worker serves a model
+  that has a queue or Redis cannot be reached, 504 the job's deadline (now + timeout_s) passed.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -34,16 +34,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from redis import ConnectionError as RedisConnectionError
-from redis import ResponseError as RedisResponseError
-from redis import TimeoutError as RedisTimeoutError
 
 from producer import openai_schema as oa
 from producer.client import make_job_spec
-from producer.flags import add_limit_args, add_redis_args, limits_from_args
 from producer.gateway_fleet import (
     FleetView,
     GatewayRedis,
@@ -51,6 +46,7 @@ from producer.gateway_fleet import (
     check_last_event_id,
     error_status,
 )
+from producer.gateway_limits import check_prompt_count
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
 from producer.protocol import (
@@ -65,6 +61,7 @@ from producer.protocol import (
 
 T = TypeVar("T")
 JOB_ID_HEADER = "Genq-Job-Id"
+RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume
 
 
 @dataclass(frozen=True)
@@ -75,6 +72,9 @@ class GatewayConfig:
     timeout_s: float = 600.0  # each job's deadline is now + timeout_s; past it -> 504
     resume_grace_s: float = 2.0  # a disconnected stream's job is cancelled after this
     max_connections: int = 1024  # Redis connections for reply reads (more requests wait)
+    max_prompts_per_request: int = 256  # more -> 400 (each prompt is a job)
+    max_body_bytes: int = 16 << 20  # a larger request body -> 400, before it is parsed
+    drain_timeout_s: float = 5.0  # on SIGTERM/SIGINT: requests in flight get this long
     limits: Limits = Limits()
 
     def __post_init__(self) -> None:
@@ -86,6 +86,13 @@ class GatewayConfig:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.resume_grace_s < 0:
             raise ValueError(f"--resume-grace must be >= 0, got {self.resume_grace_s}")
+        if self.max_prompts_per_request < 1:
+            raise ValueError("--max-prompts-per-request must be at least 1, got "
+                             f"{self.max_prompts_per_request}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
 
 
 class ClientGone(Exception):
@@ -104,6 +111,21 @@ class Gateway:
         # another request (a retry with the same Genq-Job-Id) reads by then.
         self._readers: dict[str, int] = {}
 
+    async def start(self) -> None:
+        """Nothing to start yet; the app calls it once before the first request."""
+
+    async def stop(self) -> None:
+        """At shutdown (after the drain): the jobs of cut streams are cancelled now, since
+        their clients cannot resume on a process that is going away; then Redis is closed."""
+        due = list(self._pending_cancels)
+        for handle in self._pending_cancels.values():
+            handle.cancel()
+        self._pending_cancels.clear()
+        with contextlib.suppress(Exception):  # (Redis may be what is going away)
+            await asyncio.wait_for(asyncio.gather(
+                *(self.redis.cancel(job_id) for job_id in due)), timeout=2.0)
+        await self.redis.close()
+
     # ------------------------------------------------------------------ submission
 
     async def submit(self, request: Request, model: str, prompts: list[str | list[int]],
@@ -121,12 +143,16 @@ class Gateway:
         # the model's checks are for new work (a full queue, in which the job itself counts,
         # must not refuse the client its own job, nor let a cut stream's cancel fire).
         if given is None or not await self._all_submitted(ids):
-            await self.fleet.require_model(model, self.cfg.max_queue_depth)
+            per_job = max(int(params.get("n") or 1), int(params.get("best_of") or 1))
+            await self.fleet.require_model(model, self.cfg.max_queue_depth,
+                                           len(inputs) * per_job)
         deadline = time.time() + self.cfg.timeout_s
         specs = []
         for job_id, (prompt, chat) in zip(ids, inputs, strict=True):
             try:
-                spec = make_job_spec(prompt, params, model, job_id, deadline, stream, chat)
+                spec = dataclasses.replace(  # (OpenAI's rule: over the context is a 400)
+                    make_job_spec(prompt, params, model, job_id, deadline, stream, chat),
+                    fit_context=True)
                 check_limits(spec, self.cfg.limits)
                 payload = encode_job_entry(spec)["job"]  # (encoded once: measured, then sent)
                 check_job_bytes(spec.id, payload, self.cfg.limits)  # (else the worker's too_large)
@@ -187,6 +213,7 @@ class Gateway:
 
     async def complete(self, request: Request, req: oa.CompletionRequest | oa.ChatCompletionRequest,
                        prompts: list[str | list[int]], chat: bool) -> Response:
+        check_prompt_count(len(prompts), self.cfg.max_prompts_per_request)
         params = req.to_params()
         if req.stream and len(prompts) > 1:
             raise GatewayError(400, "stream: true takes one prompt; send one request per prompt",
@@ -241,6 +268,7 @@ class Gateway:
         shaper = Choices(req, chat, response_id, reader.created or int(time.time()), prompts)
         for event in reader.replayed:  # a resume: what the client already has shapes the rest
             shaper.sse_payloads(event)  # (no second role or echo, nor the whole text at the end)
+        with_ids = resume_after is not None or wants_ids(request)
 
         async def body() -> AsyncIterator[str]:
             finished = False
@@ -254,8 +282,9 @@ class Gateway:
                             await events.aclose()
                             yield f"data: {json.dumps(void)}\n\n"
                             return
+                        head = f"id: {entry_id}\n" if with_ids else ""
                         for data in shaper.sse_payloads(event):
-                            yield f"id: {entry_id}\ndata: {json.dumps(data)}\n\n"
+                            yield f"{head}data: {json.dumps(data)}\n\n"
                         finished = event["type"] in ("done", "error")
                     yield "data: [DONE]\n\n"
             except GatewayError as exc:  # e.g. no terminal event before the deadline
@@ -268,6 +297,11 @@ class Gateway:
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache"})
+
+
+def wants_ids(request: Request) -> bool:
+    """The client opted in to `id:` lines (to resume later) without resuming now."""
+    return request.headers.get(RESUMABLE_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
 async def anext_or_none(it: AsyncIterator[T]) -> T | None:
@@ -300,92 +334,3 @@ async def watch_disconnect(request: Request, work: Awaitable[T], poll_s: float =
             await asyncio.gather(task, return_exceptions=True)
 
 
-def create_app(cfg: GatewayConfig) -> FastAPI:
-    gateway = Gateway(cfg)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        try:  # said once at start-up, not only in each request's 503 (SCRIPT EXISTS: a
-            # command the gateway's ACL line grants, where PING is not)
-            await gateway.redis.conn.script_exists("0" * 40)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            logging.getLogger("uvicorn.error").warning(
-                "genq gateway: cannot reach Redis (%s); requests answer 503 redis_unavailable "
-                "until it is up", exc)
-        except RedisResponseError:  # it answered (a refusal): reachable
-            pass
-        yield
-        await gateway.redis.close()
-
-    app = FastAPI(title="genq gateway", version="1", lifespan=lifespan)
-    app.state.gateway = gateway
-
-    @app.exception_handler(GatewayError)
-    async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(RedisConnectionError)
-    @app.exception_handler(RedisTimeoutError)
-    async def on_redis_down(request: Request, exc: Exception) -> JSONResponse:
-        error = GatewayError(503, f"the gateway cannot reach Redis ({exc}); retry later",
-                             type_="server_error", code="redis_unavailable")
-        return JSONResponse(error.body(), status_code=503)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(GatewayError(400, message, param=".".join(loc) or None).body(),
-                            status_code=400)
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        served = await gateway.fleet.live_models(fresh=True)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "genq",
-             "workers": count} for name, count in sorted(served.items())]}
-
-    @app.post("/v1/completions")
-    async def completions(req: oa.CompletionRequest, request: Request) -> Response:
-        return await gateway.complete(request, req, req.prompts(), chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: oa.ChatCompletionRequest, request: Request) -> Response:
-        return await gateway.complete(request, req, [], chat=True)
-
-    return app
-
-
-def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
-    p = argparse.ArgumentParser(prog="genq gateway", description="OpenAI-compatible gateway")
-    add_redis_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    p.add_argument("--max-queue-depth", type=int, default=GatewayConfig.max_queue_depth,
-                   help="waiting + running jobs of a model at which requests get 429 "
-                        "(default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=GatewayConfig.timeout_s,
-                   help="seconds a job may take from submit to its end (then 504)")
-    p.add_argument("--resume-grace", type=float, default=GatewayConfig.resume_grace_s,
-                   help="seconds a cut stream's job waits for a resume before it is cancelled")
-    p.add_argument("--max-connections", type=int, default=GatewayConfig.max_connections,
-                   help="Redis connections for reading replies; further requests wait")
-    p.add_argument("--log-level", default="info")
-    add_limit_args(p, "the gateway (before enqueueing: give it the workers' caps)")
-    args = p.parse_args(argv)
-    try:
-        cfg = GatewayConfig(redis_url=args.redis, prefix=args.prefix,
-                            max_queue_depth=args.max_queue_depth, timeout_s=args.timeout,
-                            resume_grace_s=args.resume_grace,
-                            max_connections=args.max_connections, limits=limits_from_args(args))
-    except ValueError as exc:
-        p.error(str(exc))
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
-    return 0

@@ -28,6 +28,7 @@ from producer.client import (
     REPLY_READ_COUNT,
 )
 from producer.connection import connect_async
+from producer.gateway_limits import check_queue_room
 from producer.openai_schema import GatewayError
 from producer.protocol import (
     PROTOCOL_VERSION,
@@ -135,8 +136,10 @@ class FleetView:
                 return waiting_entries(lag, pending, length) + pending
         return int(await self.conn.xlen(self.keys.jobs(model)))
 
-    async def require_model(self, model: str, max_queue_depth: int) -> None:
-        """404 unknown model, 503 a queue but no live worker, 429 the queue is too deep."""
+    async def require_model(self, model: str, max_queue_depth: int,
+                            num_sequences: int = 1) -> None:
+        """404 unknown model, 503 a queue but no live worker, 429 the queue has no room for
+        `num_sequences` more (400: it never will)."""
         try:
             self.keys.jobs(model)
         except ProtocolError as exc:
@@ -149,11 +152,8 @@ class FleetView:
                                    code="model_not_found")
             raise GatewayError(503, f"no live worker serves {model!r} right now; retry later",
                                type_="server_error", code="no_worker")
-        depth = await self.queue_depth(model) or 0
-        if depth >= max_queue_depth:
-            raise GatewayError(429, f"the queue of {model!r} holds {depth} jobs, at the limit of "
-                               f"{max_queue_depth}; retry later", type_="rate_limit_exceeded",
-                               code="queue_full")
+        check_queue_room(model, await self.queue_depth(model) or 0, num_sequences,
+                         max_queue_depth)
 
 
 def _entry_key(entry_id: str) -> tuple[int, int]:

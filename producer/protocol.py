@@ -219,7 +219,26 @@ def check_params(params: object, job_id: str | None = None) -> dict[str, Any]:
         if params.get(name) is not None and params[name] < 1:
             raise ProtocolError("invalid_params", f"params.{name} must be at least 1, "
                                 f"got {params[name]}", job_id)
+    for name, (in_range, what) in _PARAM_RANGES.items():
+        if params.get(name) is not None and not in_range(params[name]):
+            raise ProtocolError("invalid_params", f"{name} must be {what}, got {params[name]}",
+                                job_id)
     return params
+
+
+# Value ranges a producer can judge alone, in the engine's words (SamplingParams checks the
+# same), so a bad value is refused before it is enqueued rather than by a worker.
+_PARAM_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (lambda v: v >= 0, ">= 0 (0 means greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= -1, "-1 or 0 (disable) or at least 1"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "min_tokens": (lambda v: v >= 0, ">= 0"),
+    "logprobs": (lambda v: 0 <= v <= 20, "in [0, 20]"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (lambda v: v > 0, "> 0"),
+}
 
 
 # --------------------------------------------------------------------------- jobs
@@ -239,6 +258,10 @@ class JobSpec:
     deadline: float | None = None
     stream: bool = True
     priority: int = 0  # lower is sooner (vLLM's meaning); on the wire only when not 0
+    # The prompt plus max_tokens must fit the model's context, else the job is refused
+    # (context_length_exceeded, OpenAI's rule: the gateway sets it); False: the engine stops at
+    # the context with finish_reason "length".
+    fit_context: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"id": self.id, "model": self.model, "params": self.params,
@@ -252,6 +275,8 @@ class JobSpec:
             wire["messages"] = self.messages
         if self.priority:
             wire["priority"] = self.priority
+        if self.fit_context:
+            wire["fit_context"] = True
         return wire
 
 
@@ -269,6 +294,7 @@ _JOB_FIELDS: dict[str, tuple[Check, str]] = {
     "stream": (_is_bool, "bool"),
     "priority": (lambda v: _is_int(v) and -PRIORITY_LIMIT <= v < PRIORITY_LIMIT,  # type: ignore
                  "int in [-2**31, 2**31)"),
+    "fit_context": (_is_bool, "bool"),
 }
 _REQUIRED_JOB_FIELDS = ("id", "model", "params")
 
@@ -413,7 +439,8 @@ def _job_from_map(obj: dict[Any, Any]) -> JobSpec:
                    params=check_params(obj["params"], valid_id), seed=obj.get("seed"),
                    created=float(obj.get("created", 0.0)),
                    deadline=None if obj.get("deadline") is None else float(obj["deadline"]),
-                   stream=obj.get("stream", True), priority=obj.get("priority", 0))
+                   stream=obj.get("stream", True), priority=obj.get("priority", 0),
+                   fit_context=obj.get("fit_context", False))
 
 
 MESSAGE_FIELDS = ("role", "content")

@@ -112,6 +112,8 @@ class Admission:
         try:
             check_limits(spec, self.cfg.limits)
             prompt = self._prompt(spec)
+            if spec.fit_context:
+                self._check_context(spec, prompt)
         except ProtocolError as exc:
             return reject(exc.code, exc.message)
         except Exception as exc:  # e.g. the tokenizer on some text
@@ -144,6 +146,27 @@ class Admission:
         if params.get("seed") is None and spec.seed is not None:
             params["seed"] = spec.seed
         return params
+
+    def _check_context(self, spec: JobSpec, prompt: str | list[int]) -> None:
+        """A job that asks (fit_context): the prompt plus its max_tokens (absent: 16) must fit
+        the context, or it is refused in OpenAI's and vLLM's words rather than cut short.
+        max_tokens None (a chat's default) means "to the context" and always fits."""
+        max_tokens = spec.params.get("max_tokens", 16)
+        if not isinstance(max_tokens, int):
+            return
+        if isinstance(prompt, str):
+            # (byte-level tokenizers: at most a token per byte; tokenize only near the limit)
+            if len(prompt.encode()) + _SPECIAL_TOKEN_ALLOWANCE + max_tokens <= self.max_model_len:
+                return
+            num_tokens = len(self.tokenizer.encode(prompt))
+        else:
+            num_tokens = len(prompt)
+        if num_tokens + max_tokens > self.max_model_len:
+            raise ProtocolError(
+                "context_length_exceeded", f"This model's maximum context length is "
+                f"{self.max_model_len} tokens. However, you requested {num_tokens + max_tokens} "
+                f"tokens ({num_tokens} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.", spec.id)
 
     def _chat_token_ids(self, spec: JobSpec) -> list[int]:
         """The model's chat template over the messages, with the assistant's turn opened. Token

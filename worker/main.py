@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from producer.flags import add_limit_args, add_redis_args, limits_from_args
+from producer.flags import DefaultsHelpFormatter, add_limit_args, add_redis_args, limits_from_args
 from worker.config import WorkerConfig
 from worker.metrics import MetricsServer, Registry
 
@@ -32,7 +32,8 @@ def tune_gc() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="genq worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="genq worker", description=__doc__,
+                                formatter_class=DefaultsHelpFormatter)
     add_redis_args(p)
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--served-model-name", default=None,

@@ -2,11 +2,11 @@
 worker process that applies the served model's chat template -> the engine.
 
 The oracle is the offline engine (LLM.generate) on exactly the token ids that the tokenizer's
-`apply_chat_template(..., add_generation_prompt=True)` produces. The committed demo model has no
-chat template, so the chat model is a copy of it with a simple Jinja template added to its
-tokenizer_config.json (its generation prompt opens a `def`, so that this model trained on Python
-answers readable text rather than newlines); the unmodified model is served too, to answer the
-"no chat template" error.
+`apply_chat_template(..., add_generation_prompt=True)` produces. The chat model is a copy of the
+committed demo model with another simple Jinja template in its tokenizer_config.json (its
+generation prompt opens a `def`, so that this model trained on Python answers readable text
+rather than newlines; a template of the tests' own, so these claims do not rest on the demo
+model's); a copy with no template at all is served too, to answer the "no chat template" error.
 """
 
 from __future__ import annotations
@@ -43,16 +43,27 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(MODEL_DIR, model)
     config_path = model / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    assert "chat_template" not in config, "the demo model grew a template: rethink the 400 test"
     config["chat_template"] = TEMPLATE
     config_path.write_text(json.dumps(config, indent=2))
     return model
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory,
-          chat_model: Path) -> Iterator[tuple[RedisServer, GatewayProcess]]:
-    workers = [(chat_model, "chat-worker", "chat"), (MODEL_DIR, "plain-worker", "plain")]
+def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model without a chat template."""
+    model = tmp_path_factory.mktemp("plain-model") / "genq-tiny-plain"
+    shutil.copytree(MODEL_DIR, model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    del config["chat_template"]
+    config_path.write_text(json.dumps(config, indent=2))
+    return model
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, chat_model: Path,
+          plain_model: Path) -> Iterator[tuple[RedisServer, GatewayProcess]]:
+    workers = [(chat_model, "chat-worker", "chat"), (plain_model, "plain-worker", "plain")]
     with gateway_fleet(tmp_path_factory.mktemp("chat-fleet"), workers,
                        "--resume-grace", "0.2") as pair:
         yield pair

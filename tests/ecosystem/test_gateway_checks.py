@@ -14,7 +14,8 @@ import pytest
 
 from producer import Client
 from producer.cli import queue_rows
-from producer.gateway import GatewayConfig, create_app
+from producer.gateway import GatewayConfig
+from producer.gateway_app import create_app
 from producer.openai_schema import CompletionRequest
 from producer.protocol import (
     REPLY_FIELD,

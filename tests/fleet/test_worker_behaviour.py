@@ -387,9 +387,14 @@ def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProc
             for w in status["workers"]] == [("solo", "tiny", 4, "off")]
     table = genq("status", "--redis", server.url).stdout
     assert "solo" in table and "heartbeat_age_s" in table and "prefix_hits" in table
-    # A model no live worker serves: the job waits (it is not refused), and the CLI says why.
+    # A model no live worker serves (a typo): refused at once, nothing enqueued.
+    typo = genq("submit", "x", "--model", "nobdy", "--redis", server.url)
+    assert (typo.returncode, typo.stderr) == (1, (
+        "genq submit: no live worker serves 'nobdy' (live workers serve: tiny): nothing was "
+        "enqueued (--allow-no-worker queues it for a worker yet to start)\n"))
+    # Asked to queue anyway: the job waits (it is not refused), and the CLI says why.
     lost = genq("submit", "x", "--model", "nobody", "--timeout", "0.5", "--job-id", "lost-1",
-                "--redis", server.url)
+                "--allow-no-worker", "--redis", server.url)
     warning = "no live worker serves 'nobody' (live workers serve: tiny)"
     assert lost.returncode == 1 and lost.stderr.count(warning) == 2, lost.stderr
     # Given up on: cancelled, so a worker that starts later does not run it for no one.

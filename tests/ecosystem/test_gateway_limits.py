@@ -1,0 +1,178 @@
+"""The gateway's request-level limits, checked before anything is enqueued, and its behaviour
+under a flood and at SIGTERM. Against a real redis-server; the test plays the worker (its
+heartbeat, and its reply events where a stream must have begun), so no model is loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from producer.gateway import GatewayConfig
+from producer.gateway_app import create_app
+from producer.protocol import (
+    REPLY_FIELD,
+    Keys,
+    encode_event,
+    encode_heartbeat,
+    started_event,
+    tokens_event,
+)
+from tests.ecosystem.gateway_harness import GatewayProcess
+from tests.fleet.harness import RedisServer, wait_for
+
+KEYS = Keys()
+JOBS = KEYS.jobs("tiny")
+
+
+def serve_tiny(server: RedisServer) -> None:
+    """A live worker "w1" serving tiny, as far as the gateway can tell."""
+    server.client().set(KEYS.worker("w1"), encode_heartbeat({"model": "tiny"}), ex=600)
+
+
+def post(server: RedisServer, body: Any, **cfg: Any) -> httpx.Response:
+    """One POST /v1/completions to the app in-process; `body` bytes are sent as they are, an
+    async iterator of bytes chunked (no Content-Length)."""
+    async def scenario() -> httpx.Response:
+        app = create_app(GatewayConfig(redis_url=server.url, **cfg))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gateway") as http:
+                content = body if not isinstance(body, dict) else json.dumps(body).encode()
+                return await http.post("/v1/completions", content=content,
+                                       headers={"content-type": "application/json"})
+        finally:
+            await app.state.gateway.redis.close()
+
+    return asyncio.run(scenario())
+
+
+def test_more_prompts_than_the_cap_is_a_400_and_enqueues_nothing(
+        redis_server: RedisServer) -> None:
+    serve_tiny(redis_server)
+    resp = post(redis_server, {"model": "tiny", "prompt": ["ab"] * 5, "max_tokens": 4},
+                max_prompts_per_request=4)
+    assert (resp.status_code, resp.json()["error"]["code"]) == (400, "too_many_prompts")
+    assert resp.json()["error"]["message"] == (
+        "the request holds 5 prompts, over the gateway's cap of 4 per request "
+        "(--max-prompts-per-request); split it into several requests")
+    assert redis_server.client().exists(JOBS) == 0
+
+
+def test_a_body_over_the_byte_cap_is_a_400_declared_or_chunked(
+        redis_server: RedisServer) -> None:
+    serve_tiny(redis_server)
+    body = json.dumps({"model": "tiny", "prompt": ["ab"] * 300, "max_tokens": 4}).encode()
+
+    async def chunked() -> AsyncIterator[bytes]:
+        for k in range(0, len(body), 100):
+            yield body[k:k + 100]
+
+    declared = post(redis_server, body, max_body_bytes=1000)
+    assert declared.status_code == 400
+    assert declared.json()["error"] == {
+        "message": f"the request body is {len(body)} bytes, over the gateway's cap of 1000 "
+                   "(--max-body-bytes); send fewer or shorter prompts per request",
+        "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+    streamed = post(redis_server, chunked(), max_body_bytes=1000)
+    assert (streamed.status_code, streamed.json()["error"]["code"]) == (400, "request_too_large")
+    assert redis_server.client().exists(JOBS) == 0
+
+
+def test_prompts_times_n_count_against_the_queue_depth(redis_server: RedisServer) -> None:
+    serve_tiny(redis_server)
+    never = post(redis_server, {"model": "tiny", "prompt": ["a", "b"], "n": 3},
+                 max_queue_depth=5)
+    assert (never.status_code, never.json()["error"]["code"]) == (400, "request_too_large")
+    redis_server.client().xadd(JOBS, {"v": 1, "job": b"held"})  # the queue holds one job
+    now = post(redis_server, {"model": "tiny", "prompt": ["a", "b"], "n": 2},
+               max_queue_depth=4)
+    assert (now.status_code, now.json()["error"]["code"]) == (429, "queue_full")
+    assert redis_server.client().xlen(JOBS) == 1
+
+
+@pytest.fixture
+def gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[GatewayProcess]:
+    serve_tiny(redis_server)
+    proc = GatewayProcess(redis_server.url, tmp_path / "gateway.log", "--drain-timeout", "1")
+    yield proc
+    if proc.proc.poll() is None:
+        proc.stop()
+
+
+def begin_streams(server: RedisServer, job_ids: list[str]) -> None:
+    """Play the worker: once the gateway has enqueued these jobs, each streams one token "x"
+    (and never ends)."""
+    conn = server.client()
+    wait_for(lambda: conn.exists(*(KEYS.idem(j) for j in job_ids)) == len(job_ids),
+             timeout=120, what="the gateway to enqueue the jobs")
+    for job_id in job_ids:
+        conn.xadd(KEYS.reply(job_id), {REPLY_FIELD: encode_event(started_event(1, "w1"))})
+        conn.xadd(KEYS.reply(job_id), {REPLY_FIELD: encode_event(tokens_event(1, 0, 0, [5],
+                                                                              "x"))})
+
+
+def open_streams(gateway: GatewayProcess, server: RedisServer,
+                 job_ids: list[str]) -> tuple[list[threading.Thread], threading.Event]:
+    """A streamed request per job id, each left open after its first chunk; -> their threads
+    and an event to set to hang them up."""
+    release = threading.Event()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}
+
+    def one(job_id: str) -> None:
+        with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body,
+                          headers={"Genq-Job-Id": job_id}, timeout=120) as resp:
+            next(resp.iter_lines())
+            release.wait(120)
+
+    threads = [threading.Thread(target=one, args=(job_id,), daemon=True) for job_id in job_ids]
+    for t in threads:
+        t.start()
+    begin_streams(server, job_ids)
+    return threads, release
+
+
+def test_health_answers_while_a_flood_is_in_flight(gateway: GatewayProcess,
+                                                   redis_server: RedisServer) -> None:
+    threads, release = open_streams(gateway, redis_server, [f"flood-{k}" for k in range(32)])
+    huge = json.dumps({"model": "tiny", "prompt": ["ab"] * 300_000, "max_tokens": 4})
+    refused: list[int] = []
+
+    def flood() -> None:
+        for _ in range(2):
+            refused.append(httpx.post(f"{gateway.url}/v1/completions", content=huge,
+                                      headers={"content-type": "application/json"},
+                                      timeout=120).status_code)
+
+    flooders = [threading.Thread(target=flood, daemon=True) for _ in range(4)]
+    for t in flooders:
+        t.start()
+    try:
+        while any(t.is_alive() for t in flooders):
+            assert httpx.get(f"{gateway.url}/health", timeout=60).json() == {"status": "ok"}
+    finally:
+        release.set()
+        for t in flooders + threads:
+            t.join(60)
+    assert refused == [400] * 8
+    assert redis_server.client().xlen(JOBS) == 32
+
+
+def test_sigterm_mid_stream_stops_the_gateway_and_cancels_the_cut_job(
+        gateway: GatewayProcess, redis_server: RedisServer) -> None:
+    threads, release = open_streams(gateway, redis_server, ["cut-1"])
+    try:
+        gateway.proc.send_signal(signal.SIGTERM)
+        # uvicorn drains, then re-raises the signal it caught: the exit is by SIGTERM
+        assert gateway.proc.wait(120) == -signal.SIGTERM
+    finally:
+        release.set()
+        threads[0].join(60)
+    assert redis_server.client().exists(KEYS.cancel("cut-1")) == 1
