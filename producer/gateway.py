@@ -75,6 +75,9 @@ class GatewayConfig:
     max_prompts_per_request: int = 256  # more -> 400 (each prompt is a job)
     max_body_bytes: int = 16 << 20  # a larger request body -> 400, before it is parsed
     drain_timeout_s: float = 5.0  # on SIGTERM/SIGINT: requests in flight get this long
+    files_dir: str = "genq-files"  # Batch API: uploaded files and batch results
+    max_file_bytes: int = 200 << 20  # a larger batch file upload -> 400
+    batch_priority: int = 10  # the jobs of batch lines: below interactive requests (0)
     limits: Limits = Limits()
 
     def __post_init__(self) -> None:
@@ -89,6 +92,8 @@ class GatewayConfig:
         if self.max_prompts_per_request < 1:
             raise ValueError("--max-prompts-per-request must be at least 1, got "
                              f"{self.max_prompts_per_request}")
+        if self.max_file_bytes < 1:
+            raise ValueError(f"--max-file-bytes must be at least 1, got {self.max_file_bytes}")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:

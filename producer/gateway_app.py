@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from producer import openai_schema as oa
 from producer.flags import DefaultsHelpFormatter, add_limit_args, add_redis_args, limits_from_args
 from producer.gateway import Gateway, GatewayConfig
+from producer.gateway_batches import add_batch_routes
 from producer.gateway_limits import BodyLimit
 from producer.openai_schema import GatewayError
 from producer.protocol import Limits
@@ -78,7 +79,10 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="genq gateway", version="1", lifespan=lifespan)
     app.state.gateway = gateway
-    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes,
+                       paths={"/v1/files": cfg.max_file_bytes + (64 << 10)})  # (+ the form)
+    add_batch_routes(app, cfg.redis_url, gateway.keys, cfg.files_dir, cfg.max_file_bytes,
+                     cfg.batch_priority)
 
     @app.exception_handler(GatewayError)
     async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
@@ -173,6 +177,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=GatewayConfig.drain_timeout_s,
                    help="on SIGTERM/SIGINT, seconds requests in flight get before they are cut "
                         "(default: %(default)s)")
+    p.add_argument("--files-dir", default=GatewayConfig.files_dir,
+                   help="where the Batch API keeps uploaded files and results; share it between "
+                        "gateway replicas (default: %(default)s)")
+    p.add_argument("--max-file-bytes", type=int, default=GatewayConfig.max_file_bytes,
+                   help="the largest batch file /v1/files takes (default: %(default)s)")
+    p.add_argument("--batch-priority", type=int, default=GatewayConfig.batch_priority,
+                   help="the priority of batch lines' jobs, lower runs sooner; interactive "
+                        "requests run at 0 (default: %(default)s)")
     p.add_argument("--max-connections", type=int, default=GatewayConfig.max_connections,
                    help="Redis connections per process for reading replies; further requests "
                         "wait (default: %(default)s)")
@@ -197,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                             max_connections=args.max_connections,
                             max_prompts_per_request=args.max_prompts_per_request,
                             max_body_bytes=args.max_body_bytes,
-                            drain_timeout_s=args.drain_timeout, limits=limits_from_args(args))
+                            drain_timeout_s=args.drain_timeout, files_dir=args.files_dir,
+                            max_file_bytes=args.max_file_bytes,
+                            batch_priority=args.batch_priority, limits=limits_from_args(args))
     except ValueError as exc:
         p.error(str(exc))
     run: dict[str, Any] = {"host": args.host, "port": args.port, "log_level": args.log_level,

@@ -21,17 +21,19 @@ class BodyLimit:
     Content-Length over the cap is refused before any of the body is read; a chunked body is
     read up to the cap and then refused. The body read is replayed to the app unchanged."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, paths: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.paths = paths or {}  # a cap of their own for these paths (file uploads)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
+        max_bytes = self.paths.get(scope["path"], self.max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, int(declared))
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await self._refuse(send, int(declared), max_bytes)
             return
         messages: list[Message] = []
         size = 0
@@ -41,8 +43,8 @@ class BodyLimit:
             if message["type"] != "http.request":
                 break  # (a disconnect: the app sees it)
             size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._refuse(send, size, at_least=True)
+            if size > max_bytes:
+                await self._refuse(send, size, max_bytes, at_least=True)
                 return
             if not message.get("more_body", False):
                 break
@@ -52,10 +54,11 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Any, size: int, at_least: bool = False) -> None:
+    async def _refuse(self, send: Any, size: int, cap: int, at_least: bool = False) -> None:
+        fix = "(--max-body-bytes); send fewer or shorter prompts per request" \
+            if cap == self.max_bytes else "(--max-file-bytes); split the batch into files"
         error = GatewayError(400, f"the request body is {'over ' if at_least else ''}{size} "
-                             f"bytes, over the gateway's cap of {self.max_bytes} "
-                             "(--max-body-bytes); send fewer or shorter prompts per request",
+                             f"bytes, over the gateway's cap of {cap} {fix}",
                              code="request_too_large")
         body = json.dumps(error.body()).encode()
         await send({"type": "http.response.start", "status": 400,

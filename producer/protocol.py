@@ -110,6 +110,26 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{validate_name(name, 'worker name')}"
 
+    @property
+    def batches(self) -> str:
+        """A sorted set of the gateway's batch ids, scored by creation time."""
+        return f"{self.prefix}:batches"
+
+    @property
+    def batches_active(self) -> str:
+        """The set of batch ids not ended yet (what gateways look through to take over)."""
+        return f"{self.prefix}:batches:active"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{validate_name(batch_id, 'batch id')}"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Held (SET NX PX, renewed) by the gateway process that drives the batch."""
+        return f"{self.prefix}:batch-lease:{validate_name(batch_id, 'batch id')}"
+
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{validate_name(file_id, 'file id')}"
+
     def fence_prefix(self, model: str) -> str:
         """Followed by a worker name: a counter bumped whenever pending entries of `model`'s
         stream are claimed from that worker (worker/scripts.py)."""

@@ -25,23 +25,26 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from producer.client import Client, Job, JobError
-from producer.flags import add_redis_args
+from producer.flags import DefaultsHelpFormatter, add_redis_args
 from producer.protocol import ProtocolError
 from producer.results import iter_results
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_PRIORITY = 10  # below interactive traffic (0), as batch work should be
+POLL_S = 2.0  # how often a stoppable run asks whether to stop
 
 
 @dataclass
 class Line:
     number: int
     custom_id: str
+    line_id: str  # its output line's "id": derived from the line, so a resume can skip it
     chat: bool = False
     req: Any = None  # the request (openai_schema), once checked
     prompts: list[Any] = field(default_factory=list)
@@ -53,24 +56,32 @@ class Line:
     written: bool = False
 
 
-def _error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
-    return {"id": f"batch_req_{hashlib.sha256(f'{custom_id}'.encode()).hexdigest()[:24]}",
-            "custom_id": custom_id, "response": None,
+def _error_line_of(line_id: str, custom_id: str | None, code: str,
+                message: str) -> dict[str, Any]:
+    return {"id": line_id, "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}}
 
 
-def parse(number: int, raw: str, model: str | None, seen: set[str]) -> Line:
-    """An input line: to run, or with its error output line already."""
-    checked = _check(number, raw, model, seen)
+def parse(number: int, raw: str, model: str | None, seen: set[str], salt: str = "",
+          endpoint: str | None = None) -> Line:
+    """An input line: to run, or with its error output line already. Its job ids derive from
+    `salt` (e.g. a batch id) and the line's content. `endpoint`: the one url lines may name."""
+    checked = _check(number, raw, model, seen, salt, endpoint)
     if isinstance(checked, Line):
         return checked
-    return Line(number, checked["custom_id"] or "", output=checked)
+    return Line(number, checked["custom_id"] or "", checked["id"], output=checked)
 
 
-def _check(number: int, raw: str, model: str | None, seen: set[str]) -> Line | dict[str, Any]:
+def _check(number: int, raw: str, model: str | None, seen: set[str], salt: str,
+           endpoint: str | None) -> Line | dict[str, Any]:
     from pydantic import ValidationError
 
     from producer import openai_schema as oa
+
+    line_id = "batch_req_" + hashlib.sha256(f"{salt}:{number}:{raw}".encode()).hexdigest()[:24]
+
+    def _error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+        return _error_line_of(line_id, custom_id, code, message)
 
     try:
         obj = json.loads(raw)
@@ -90,6 +101,9 @@ def _check(number: int, raw: str, model: str | None, seen: set[str]) -> Line | d
     if obj.get("method", "POST") != "POST" or url not in ENDPOINTS:
         return _error_line(custom_id, "invalid_url", f"line {number}: POST to one of "
                                                      f"{', '.join(ENDPOINTS)} only, got {url!r}")
+    if endpoint is not None and url != endpoint:
+        return _error_line(custom_id, "invalid_url", f"line {number}: the batch's endpoint is "
+                                                     f"{endpoint}, the line's url {url!r}")
     if not isinstance(body, dict):
         return _error_line(custom_id, "invalid_request", f"line {number}: body must be an object")
     body = {**body, "model": model} if model else body
@@ -107,16 +121,19 @@ def _check(number: int, raw: str, model: str | None, seen: set[str]) -> Line | d
                                                          f"{first['msg']}")
     except oa.GatewayError as exc:
         return _error_line(custom_id, "invalid_request", f"line {number}: {exc.message}")
-    digest = hashlib.sha256(json.dumps([custom_id, url, body], sort_keys=True).encode())
-    return Line(number, custom_id, chat, req, prompts, "rb" + digest.hexdigest()[:30])
+    digest = hashlib.sha256(json.dumps([salt, custom_id, url, body], sort_keys=True).encode())
+    return Line(number, custom_id, line_id, chat, req, prompts, "rb" + digest.hexdigest()[:30])
 
 
 class Batch:
-    def __init__(self, client: Client, lines: list[Line], out: IO[str], priority: int,
-                 ordered: bool) -> None:
+    """Runs lines through the queue; `emit` gets each output line (in input order when
+    `ordered`)."""
+
+    def __init__(self, client: Client, lines: list[Line], emit: Callable[[dict[str, Any]], None],
+                 priority: int, ordered: bool) -> None:
         self.client = client
         self.lines = lines
-        self.out = out
+        self.emit = emit
         self.priority = priority
         self.ordered = ordered
         self.next_to_write = 0
@@ -135,21 +152,29 @@ class Batch:
                                             job_id=job_id, stream=False, priority=self.priority)
                          for p, job_id in zip(line.prompts, ids, strict=True)]
         except ProtocolError as exc:
-            self._ended(line, _error_line(line.custom_id, exc.code, exc.message))
+            self._ended(line, _error_line_of(line.line_id, line.custom_id, exc.code,
+                                             exc.message))
         line.results = {}
 
-    def run(self, progress: bool) -> None:
+    def run(self, progress: bool = False, stop: Callable[[], bool] | None = None) -> bool:
+        """Until every line has its output (True), or `stop()`, asked every POLL_S, says to
+        stop (False)."""
         for line in self.lines:
             if line.output is None:
                 self.submit(line)
             else:
                 self._ended(line, line.output)
         while any(ln.output is None for ln in self.lines):
+            if stop is not None and stop():
+                return False
             waiting = [(ln, k) for ln in self.lines if ln.output is None
                        for k in range(len(ln.jobs)) if k not in ln.results]
             for index, value in iter_results(self.client.blocking_redis,
-                                             [ln.jobs[k] for ln, k in waiting], None):
+                                             [ln.jobs[k] for ln, k in waiting],
+                                             None if stop is None else POLL_S):
                 line, k = waiting[index]
+                if isinstance(value, TimeoutError):
+                    continue  # (polling: asked again after the stop check)
                 if isinstance(value, JobError) and value.code == "cancelled":
                     line.retry += 1  # (an earlier run's Ctrl-C): run it again, new ids
                     self.submit(line)
@@ -162,6 +187,7 @@ class Batch:
         if progress:
             self._progress()
             print(file=sys.stderr)
+        return True
 
     def _output(self, line: Line) -> dict[str, Any]:
         """The output line of a line whose jobs all ended."""
@@ -169,8 +195,7 @@ class Batch:
         from producer.gateway_fleet import error_status
         from producer.openai_choices import Choices
 
-        request_id = line.jobs[0].id
-        line_id = f"batch_req_{request_id}"
+        request_id, line_id = line.jobs[0].id, line.line_id
         failure = next((r for r in line.results.values() if isinstance(r, Exception)), None)
         if failure is not None:
             if isinstance(failure, JobError):
@@ -178,7 +203,7 @@ class Batch:
                 return {"id": line_id, "custom_id": line.custom_id, "error": None,
                         "response": {"status_code": err.status, "request_id": request_id,
                                      "body": err.body()}}
-            return _error_line(line.custom_id, "timeout", str(failure))
+            return _error_line_of(line_id, line.custom_id, "timeout", str(failure))
         prefix = "chatcmpl-" if line.chat else "cmpl-"
         shaper = Choices(line.req, line.chat, prefix + request_id, int(time.time()),
                          line.prompts)
@@ -214,8 +239,7 @@ class Batch:
     def _write(self, line: Line) -> None:
         if line.output is None or line.written:
             return
-        self.out.write(json.dumps(line.output) + "\n")
-        self.out.flush()
+        self.emit(line.output)
         line.written = True
 
     def _progress(self) -> None:
@@ -234,13 +258,19 @@ class Batch:
 
 
 def done_ids(path: Path) -> set[str]:
-    """The custom_ids an earlier run wrote to the output file (a torn last line is dropped)."""
+    """The ids of the lines an earlier run wrote to an output file. A torn last line (the run
+    was killed mid-write) is cut off the file."""
     if not path.exists():
         return set()
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+        with open(path, "r+") as f:
+            f.truncate(len(text.encode()))
     ids = set()
-    for raw in path.read_text().splitlines():
+    for raw in text.splitlines():
         try:
-            ids.add(json.loads(raw)["custom_id"])
+            ids.add(json.loads(raw)["id"])
         except (ValueError, KeyError, TypeError):
             continue
     return ids
@@ -248,7 +278,7 @@ def done_ids(path: Path) -> set[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="genq run-batch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("-i", "--input-file", required=True, type=Path,
                    help="OpenAI batch file (JSONL)")
     p.add_argument("-o", "--output-file", required=True, type=Path,
@@ -271,9 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     seen: set[str] = set()
     lines = [parse(number, raw, args.model, seen)
              for number, raw in enumerate(raw_lines, 1) if raw.strip()]
-    lines = [line for line in lines if not (line.custom_id and line.custom_id in skip)]
+    lines = [line for line in lines if line.line_id not in skip]
     with open(args.output_file, "a") as out, Client(args.redis, prefix=args.prefix) as client:
-        batch = Batch(client, lines, out, args.priority, not args.unordered)
+        def emit(output: dict[str, Any]) -> None:
+            out.write(json.dumps(output) + "\n")
+            out.flush()
+
+        batch = Batch(client, lines, emit, args.priority, not args.unordered)
         try:
             batch.run(progress=not args.no_progress)
         except KeyboardInterrupt:

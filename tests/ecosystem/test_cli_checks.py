@@ -34,7 +34,7 @@ def test_submit_refuses_bad_params_before_it_connects(flags: tuple[str, ...],
 
 
 @pytest.mark.parametrize("command", ["submit", "status", "bench", "worker", "celery-bridge",
-                                     "gateway"])
+                                     "gateway", "run-batch"])
 def test_every_option_that_takes_a_value_shows_its_default(command: str) -> None:
     out = genq(command, "--help")
     assert out.returncode == 0, out.stderr
