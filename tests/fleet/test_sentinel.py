@@ -66,9 +66,11 @@ def test_a_bad_url_is_a_usage_error_that_says_what_is_wrong(url: str, says: str)
 @pytest.fixture
 def sentinels(tmp_path: Path) -> Iterator[SentinelSet]:
     s = SentinelSet(tmp_path / "redis")
-    s.start()
-    yield s
-    s.stop()
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
 
 
 def wait_worker(sentinels: SentinelSet, name: str, workers: WorkerFactory) -> None:
