@@ -3,9 +3,11 @@ its calls are blocking Redis and file I/O, so they run in the thread pool)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import redis
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -13,6 +15,19 @@ from starlette.concurrency import run_in_threadpool
 from producer.batches import Batches, Files
 from producer.openai_schema import GatewayError
 from producer.protocol import Keys
+
+T = TypeVar("T")
+
+
+async def call(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in the thread pool; Redis refusing the batch keys (ACL) is a 403 that says
+    so."""
+    try:
+        return await run_in_threadpool(fn, *args)
+    except redis.exceptions.NoPermissionError as exc:
+        raise GatewayError(403, f"Redis refused the Batch API's keys ({exc}): grant the "
+                           "gateway's Redis user the batch and file keys (docs/batches.md)",
+                           type_="permission_error", code="batch_api_unavailable") from None
 
 
 def add_batch_routes(app: FastAPI, redis_url: str, keys: Keys, files_dir: str,
@@ -27,16 +42,16 @@ def add_batch_routes(app: FastAPI, redis_url: str, keys: Keys, files_dir: str,
         if len(content) > max_file_bytes:
             raise GatewayError(400, f"the file is over --max-file-bytes ({max_file_bytes} "
                                "bytes): split the batch", param="file")
-        return await run_in_threadpool(files.create, content, file.filename or "batch.jsonl",
+        return await call(files.create, content, file.filename or "batch.jsonl",
                                        purpose)
 
     @app.get("/v1/files/{file_id}")
     async def get_file(file_id: str) -> dict[str, Any]:
-        return await run_in_threadpool(files.get, file_id)
+        return await call(files.get, file_id)
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> Response:
-        await run_in_threadpool(files.get, file_id)
+        await call(files.get, file_id)
         try:
             body = await run_in_threadpool(files.path(file_id).read_bytes)
         except OSError:
@@ -47,27 +62,27 @@ def add_batch_routes(app: FastAPI, redis_url: str, keys: Keys, files_dir: str,
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> dict[str, Any]:
-        return await run_in_threadpool(files.delete, file_id)
+        return await call(files.delete, file_id)
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> dict[str, Any]:
         body = await request.json()
         if not isinstance(body, dict):
             raise GatewayError(400, "the body must be a JSON object")
-        return await run_in_threadpool(batches.create, body)
+        return await call(batches.create, body)
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str) -> dict[str, Any]:
-        return await run_in_threadpool(batches.get, batch_id)
+        return await call(batches.get, batch_id)
 
     @app.get("/v1/batches")
     async def list_batches(limit: int = 20, after: str | None = None) -> dict[str, Any]:
         if not 1 <= limit <= 100:
             raise GatewayError(400, "limit must be in [1, 100]", param="limit")
-        return await run_in_threadpool(batches.list, limit, after)
+        return await call(batches.list, limit, after)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str) -> dict[str, Any]:
-        return await run_in_threadpool(batches.cancel, batch_id)
+        return await call(batches.cancel, batch_id)
 
     return batches
