@@ -34,10 +34,14 @@ PASSWORDS = {"genq-worker": "worker-secret", "genq-producer": "producer-secret",
 # streams, dead letters and their heartbeat, read cancel flags and the cancel channel.
 # Producers (Client, AsyncClient, the Celery bridge): enqueue through the idempotent submit
 # script, read reply streams, set cancel flags and publish cancels.
-# The gateway: a producer that also lists live workers' heartbeats and reads queue depths.
+# The gateway: a producer that also lists live workers' heartbeats and reads queue depths, and
+# keeps the Batch API's batches, file objects and leases (BATCH_SELECTOR).
 _SUBMIT = "(~genq:jobs:* ~genq:idem:* +evalsha +xadd +set +expire)"
-RESULTS_SELECTOR = "(~genq:reply:* +evalsha +xrevrange)"  # Client.results' last-entry script
+# Client.results' last-entry script; EXISTS: whether an unread result expired (reply_expired)
+RESULTS_SELECTOR = "(~genq:reply:* +evalsha +xrevrange +exists)"
 ENDED_SELECTOR = "(%R~genq:idem:* +get +mget)"  # a job's ended mark (producer.results)
+BATCH_SELECTOR = ("(~genq:batch* ~genq:file:* +hset +hget +hmget +hexists +hsetnx +zadd "
+                  "+zrevrange +sadd +srem +smembers +get +set +del +exists)")
 ACL_RULES: dict[str, tuple[str, ...]] = {
     "genq-worker": (
         "resetkeys", "~genq:jobs:*", "~genq:reply:*", "~genq:dead:*", "~genq:worker:*",
@@ -54,7 +58,7 @@ ACL_RULES: dict[str, tuple[str, ...]] = {
         "resetkeys", "%R~genq:reply:*", "%W~genq:cancel:*", "%R~genq:worker:*", "resetchannels",
         "&genq:cancel", "-@all", "+xread", "+set", "+publish", "+script|load",
         "+script|exists", "+scan", "+mget", _SUBMIT, RESULTS_SELECTOR, ENDED_SELECTOR,
-        "(%R~genq:jobs:* +xinfo|groups +xlen)"),
+        "(%R~genq:jobs:* +xinfo|groups +xlen)", BATCH_SELECTOR),
 }
 
 
