@@ -95,6 +95,9 @@ def submit_main(argv: list[str]) -> int:
                              "a worker failure samples the same tokens)")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--job-id", default=None, help="idempotency key: an id runs once")
+    parser.add_argument("--priority", type=int, default=0,
+                        help="lower runs sooner (vLLM's meaning; workers under "
+                             "--scheduling-policy priority order the jobs they hold by it)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds to wait for the end; then the job is cancelled "
                              "(default: %(default)s)")
@@ -129,7 +132,7 @@ def submit_main(argv: list[str]) -> int:
             return 1
         try:
             job = client.submit(args.prompt, params, model=args.model, messages=messages,
-                                job_id=args.job_id)
+                                job_id=args.job_id, priority=args.priority)
         except ProtocolError as exc:
             print(f"genq submit: {exc}", file=sys.stderr)
             return 2

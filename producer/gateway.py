@@ -135,7 +135,7 @@ class Gateway:
 
     async def submit(self, request: Request, model: str, prompts: list[str | list[int]],
                      params: dict[str, Any], messages: list[dict[str, str]] | None = None,
-                     stream: bool = True) -> list[str]:
+                     stream: bool = True, priority: int = 0) -> list[str]:
         """Check everything a producer can, then enqueue one job per prompt -> job ids. A chat
         (`messages`, prompts empty) is one job; the worker applies the model's chat template.
         Without `stream` the worker writes no tokens events (the answer needs only the end)."""
@@ -156,7 +156,8 @@ class Gateway:
         for job_id, (prompt, chat) in zip(ids, inputs, strict=True):
             try:
                 spec = dataclasses.replace(  # (OpenAI's rule: over the context is a 400)
-                    make_job_spec(prompt, params, model, job_id, deadline, stream, chat),
+                    make_job_spec(prompt, params, model, job_id, deadline, stream, chat,
+                                  priority),
                     fit_context=True)
                 check_limits(spec, self.cfg.limits)
                 payload = encode_job_entry(spec)["job"]  # (encoded once: measured, then sent)
@@ -226,7 +227,8 @@ class Gateway:
         messages = req.wire_messages() if isinstance(req, oa.ChatCompletionRequest) else None
         resume_after = check_last_event_id(request.headers.get("last-event-id")) \
             if req.stream else None
-        ids = await self.submit(request, req.model, prompts, params, messages, bool(req.stream))
+        ids = await self.submit(request, req.model, prompts, params, messages, bool(req.stream),
+                                req.priority)
         prefix = "chatcmpl-" if chat else "cmpl-"
         headers = {JOB_ID_HEADER: ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]}
         if req.stream:

@@ -51,6 +51,7 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-2**63, lt=2**64)  # (any 64-bit int, as vLLM takes)
+    priority: int = Field(0, ge=-2**31, lt=2**31)  # vLLM's extra field: lower runs sooner
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None

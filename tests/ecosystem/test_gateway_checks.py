@@ -172,3 +172,31 @@ def test_a_gateway_that_cannot_reach_redis_says_so_at_start_up(
     assert line.startswith(f"genq gateway: cannot reach Redis (Error 111 connecting to "
                            f"127.0.0.1:{port}.") and line.endswith(
         "); requests answer 503 redis_unavailable until it is up")
+
+
+def test_the_priority_extra_field_reaches_the_job(redis_server: RedisServer) -> None:
+    """vLLM's `priority` extra field is the job's priority; out of range it is a 400."""
+    from producer.protocol import decode_job_entry
+
+    held_job(redis_server, "J")
+    conn = redis_server.client()
+
+    async def scenario() -> None:
+        app = create_app(GatewayConfig(redis_url=redis_server.url))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gateway") as http:
+            wrong = await http.post("/v1/completions", json={**BODY, "priority": 2**31})
+            assert (wrong.status_code, wrong.json()["error"]["param"]) == (400, "priority")
+            waiting = asyncio.create_task(http.post(  # (no worker answers: it waits)
+                "/v1/completions", json={**BODY, "stream": False, "priority": -7},
+                headers={"Genq-Job-Id": "urgent"}))
+            for _ in range(1200):
+                if conn.xlen(JOBS) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            waiting.cancel()
+        await app.state.gateway.redis.close()
+
+    asyncio.run(scenario())
+    spec, _ = decode_job_entry(conn.xrange(JOBS)[-1][1])
+    assert (spec.id, spec.priority) == ("urgent", -7)
