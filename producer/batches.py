@@ -40,6 +40,7 @@ log = logging.getLogger("genq.gateway")
 LEASE_MS = 10_000
 LOOK_S = 2.0
 WINDOW_S = 24 * 3600
+KEEP_S = 30 * 24 * 3600  # file objects, and batches once ended, live this long in Redis
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
@@ -59,9 +60,10 @@ class Files:
         return self.dir / f"{file_id}.jsonl"
 
     def register(self, file_id: str, size: int, filename: str, purpose: str) -> dict[str, Any]:
-        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
-               "filename": filename, "purpose": purpose}
-        self.conn.set(self.keys.file(file_id), json.dumps(obj))
+        now = int(time.time())
+        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": now,
+               "expires_at": now + KEEP_S, "filename": filename, "purpose": purpose}
+        self.conn.set(self.keys.file(file_id), json.dumps(obj), ex=KEEP_S)
         return obj
 
     def create(self, content: bytes, filename: str, purpose: str) -> dict[str, Any]:
@@ -131,6 +133,8 @@ class Batches:
         pipe.hset(self.keys.batch(obj["id"]), "obj", json.dumps(obj))
         pipe.zadd(self.keys.batches, {obj["id"]: now})
         pipe.sadd(self.keys.batches_active, obj["id"])
+        pipe.expire(self.keys.batches, KEEP_S)  # (both refreshed by every batch created)
+        pipe.expire(self.keys.batches_active, KEEP_S)
         pipe.execute()
         self._take(obj["id"])
         return obj
@@ -151,7 +155,12 @@ class Batches:
         ids = [as_str(i) for i in self.conn.zrevrange(self.keys.batches, 0, -1)]  # type: ignore[arg-type]
         if after is not None and after in ids:
             ids = ids[ids.index(after) + 1:]
-        page = [self.get(i) for i in ids[:limit]]
+        page = []
+        for batch_id in ids[:limit]:
+            try:
+                page.append(self.get(batch_id))
+            except GatewayError:  # expired (KEEP_S after its end): out of the list too
+                self.conn.zrem(self.keys.batches, batch_id)
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(ids) > limit}
 
@@ -299,4 +308,5 @@ class BatchRun:
         if errors is not None:
             obj["errors"] = errors
         self._save(force=True)
+        owner.conn.expire(owner.keys.batch(obj["id"]), KEEP_S)
         owner.conn.srem(owner.keys.batches_active, obj["id"])

@@ -41,7 +41,7 @@ _SUBMIT = "(~genq:jobs:* ~genq:idem:* +evalsha +xadd +set +expire)"
 RESULTS_SELECTOR = "(~genq:reply:* +evalsha +xrevrange +exists)"
 ENDED_SELECTOR = "(%R~genq:idem:* +get +mget)"  # a job's ended mark (producer.results)
 BATCH_SELECTOR = ("(~genq:batch* ~genq:file:* +hset +hget +hmget +hexists +hsetnx +zadd "
-                  "+zrevrange +sadd +srem +smembers +get +set +del +exists)")
+                  "+zrevrange +zrem +sadd +srem +smembers +get +set +del +exists +expire)")
 ACL_RULES: dict[str, tuple[str, ...]] = {
     "genq-worker": (
         "resetkeys", "~genq:jobs:*", "~genq:reply:*", "~genq:dead:*", "~genq:worker:*",
