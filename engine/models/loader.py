@@ -3,7 +3,6 @@ with model.safetensors.index.json) and the tokenizer."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ from torch import nn
 
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
+from engine.models.weights import SafetensorsWeights
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -40,17 +40,20 @@ def max_positions(config: Any) -> int:
 
 def load_model(model_dir: str, config: Any, dtype: str, device: torch.device,
                max_len: int) -> nn.Module:
+    """The model in `dtype` on `device`, its weights copied in straight from the checkpoint:
+    parameters are allocated once, in the target dtype, and each tensor is read from disk and
+    converted as it is copied in (peak memory: the model plus one checkpoint tensor)."""
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     if arch not in _ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; supported: "
                          f"{', '.join(sorted(_ARCHITECTURES))}")
     with torch.device("meta"):
-        model = _ARCHITECTURES[arch](config, max_len)
+        model = _ARCHITECTURES[arch](config, max_len).to(DTYPES[dtype])
     model = model.to_empty(device=device)
-    model.load_weights(read_safetensors(Path(model_dir)))  # type: ignore[operator]
-    model = model.to(DTYPES[dtype]).eval()
+    with torch.no_grad():
+        model.load_weights(SafetensorsWeights(Path(model_dir)))  # type: ignore[operator]
     _rebuild_buffers(model, config, max_len, device)  # rope tables stay float32
-    return model
+    return model.eval()
 
 
 def _rebuild_buffers(model: nn.Module, config: Any, max_len: int, device: torch.device) -> None:
@@ -62,22 +65,6 @@ def _rebuild_buffers(model: nn.Module, config: Any, max_len: int, device: torch.
             fresh = RotaryEmbedding(config, head_dim, max_len).to(device)
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             setattr(parent, name.rsplit(".", 1)[-1], fresh)
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [f.name for f in sorted(path.glob("*.safetensors"))]
-    if not files:
-        raise ValueError(f"no .safetensors weights in {path}; convert the checkpoint first")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(path / name)))
-    return {k: v.float() for k, v in tensors.items()}
 
 
 def load_tokenizer(model_dir: str) -> Any:
