@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="consumer name and heartbeat key; stable across restarts "
                         "(default: the host name)")
     e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="float32",
-                   help="float32, float16 or bfloat16 (default: %(default)s)")
+    e.add_argument("--dtype", default="auto",
+                   help="auto, float32, float16 or bfloat16; auto is the checkpoint's dtype, "
+                        "and bfloat16 on CUDA for a float32 checkpoint (default: %(default)s)")
     e.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV cache block (default: %(default)s)")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None,

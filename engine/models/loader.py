@@ -38,6 +38,37 @@ def max_positions(config: Any) -> int:
     raise ValueError("the model config states no maximum length (max_position_embeddings)")
 
 
+def checkpoint_dtype(config: Any) -> str:
+    """The dtype config.json states the weights are in (`dtype`; `torch_dtype` in files written
+    before transformers 4.56, which AutoConfig reads into `dtype`); float32 when it states none,
+    as transformers assumes."""
+    value = getattr(config, "dtype", None)
+    return "float32" if value is None else str(value).removeprefix("torch.")
+
+
+def resolve_dtype(requested: str, config: Any, device: torch.device,
+                  bf16_supported: bool | None = None) -> str:
+    """The dtype an engine runs in. "auto" is the checkpoint's dtype, with two exceptions on
+    CUDA, as vLLM decides: a float32 checkpoint runs in bfloat16 (tensor cores, half the
+    memory), and bfloat16 becomes float16 on a GPU without bfloat16 (before Ampere). On the CPU
+    "auto" keeps the checkpoint's dtype, float32 included: the CPU path runs all three, and
+    float32 is both the exact one and, without AVX512-BF16 or AMX, the fast one (vLLM's CPU
+    backend would run a float32 checkpoint in bfloat16). A dtype the engine does not run
+    (float64, int8) loads in float32. `bf16_supported` defaults to asking the device."""
+    if requested != "auto":
+        return requested
+    dtype = checkpoint_dtype(config)
+    if dtype not in DTYPES:
+        dtype = "float32"
+    if device.type != "cuda":
+        return dtype
+    if dtype == "float32":
+        dtype = "bfloat16"
+    if bf16_supported is None:
+        bf16_supported = torch.cuda.is_bf16_supported()
+    return "float16" if dtype == "bfloat16" and not bf16_supported else dtype
+
+
 def load_model(model_dir: str, config: Any, dtype: str, device: torch.device,
                max_len: int) -> nn.Module:
     """The model in `dtype` on `device`, its weights copied in straight from the checkpoint:
