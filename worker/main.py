@@ -185,11 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"genq worker: {exc}", file=sys.stderr)
         return 2
+    from engine.attention.kernel_check import KernelCheckError
+
     try:
         engine = Engine(engine_config)
     except (ValueError, OSError) as exc:  # a wrong path, an unsupported model
         print(f"genq worker: cannot load {args.model!r}: {exc}", file=sys.stderr)
         return 2
+    except KernelCheckError as exc:  # --attention-backend cupy on a GPU its kernels fail on
+        print(f"genq worker: {exc}", file=sys.stderr)
+        return 1
     worker = Worker(engine, cfg, metrics_server=metrics_server)
     tune_gc()
 
