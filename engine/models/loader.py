@@ -39,9 +39,8 @@ def max_positions(config: Any) -> int:
 
 
 def checkpoint_dtype(config: Any) -> str:
-    """The dtype config.json states the weights are in (`dtype`; `torch_dtype` in files written
-    before transformers 4.56, which AutoConfig reads into `dtype`); float32 when it states none,
-    as transformers assumes."""
+    """The dtype config.json states the weights are in (`dtype`; older files say `torch_dtype`,
+    which AutoConfig reads into `dtype`); float32 when it states none, as transformers assumes."""
     value = getattr(config, "dtype", None)
     return "float32" if value is None else str(value).removeprefix("torch.")
 
@@ -53,8 +52,8 @@ def resolve_dtype(requested: str, config: Any, device: torch.device,
     memory), and bfloat16 becomes float16 on a GPU without bfloat16 (before Ampere). On the CPU
     "auto" keeps the checkpoint's dtype, float32 included: the CPU path runs all three, and
     float32 is both the exact one and, without AVX512-BF16 or AMX, the fast one (vLLM's CPU
-    backend would run a float32 checkpoint in bfloat16). A dtype the engine does not run
-    (float64, int8) loads in float32. `bf16_supported` defaults to asking the device."""
+    backend would run a float32 checkpoint in bfloat16). A stated dtype the engine does not run
+    (float64, int8) counts as float32. `bf16_supported` defaults to asking the device."""
     if requested != "auto":
         return requested
     dtype = checkpoint_dtype(config)
