@@ -31,6 +31,8 @@ def check_kernels(dtype: torch.dtype, head_size: int, block_size: int, device: t
     """Launches reshape_and_cache, decode (long enough to need the reduce kernel), prefill and
     copy_blocks once each for (dtype, head_size, block_size) on `device`, with `run`
     (kernels.run_launches by default), and checks their results. Raises KernelCheckError."""
+    if run is None and not kernels.cupy_available():
+        raise KernelCheckError("CuPy is not importable: pip install 'genq[gpu]'")
     try:
         kernels.check_variant(dtype, head_size, block_size)
         _check(dtype, head_size, block_size, device, run or kernels.run_launches)

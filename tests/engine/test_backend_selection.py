@@ -17,7 +17,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 
 CUDA = torch.device("cuda", 0)
-NO_CUPY = "RuntimeError: attention_backend='cupy' needs CuPy: pip install 'genq[gpu]'"
+NO_CUPY = "CuPy is not importable: pip install 'genq[gpu]'"
 
 
 @pytest.fixture
