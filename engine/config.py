@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _GIB = 1 << 30
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 OUTPUT_KINDS = ("cumulative", "delta")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -15,7 +15,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 class EngineConfig:
     model: str
     device: str = "cpu"
-    dtype: str = "float32"
+    # "auto": the checkpoint's dtype, bfloat16 on CUDA for a float32 checkpoint (see
+    # engine.models.loader.resolve_dtype); the Engine replaces it with the dtype it runs in.
+    dtype: str = "auto"
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int = 4 * _GIB  # bytes of KV cache on the CPU

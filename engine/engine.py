@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,14 @@ from engine.config import EngineConfig
 from engine.detokenizer import decode_delta, decode_output, find_stop, init_offsets
 from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
-from engine.models.loader import DTYPES, load_config, load_model, load_tokenizer, max_positions
+from engine.models.loader import (
+    DTYPES,
+    load_config,
+    load_model,
+    load_tokenizer,
+    max_positions,
+    resolve_dtype,
+)
 from engine.outputs import RequestOutput, request_output
 from engine.sampler import Sampler, SampleRow, plain_greedy
 from engine.sampling_params import SamplingParams
@@ -36,6 +44,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         hf_config = load_config(config.model)
+        config = self.config = replace(config, dtype=resolve_dtype(config.dtype, hf_config,
+                                                                   self.device))
         limit = max_positions(hf_config)
         window = getattr(hf_config, "sliding_window", None)
         if window and getattr(hf_config, "use_sliding_window", True):

@@ -26,6 +26,10 @@ def num_device_blocks(config: EngineConfig, block_bytes: int, device: torch.devi
         return config.num_gpu_blocks_override
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        # Memory torch's caching allocator reserved but holds no tensor in (an earlier engine's
+        # cache, the load's temporaries) is used as far as the driver knows, yet this process
+        # can allocate it: count it as free, or a second engine in the process gets no cache.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = free - (1.0 - config.gpu_memory_utilization) * total
         return max(int(budget // block_bytes), 0)
     return config.kv_cache_memory // block_bytes

@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="consumer name and heartbeat key; stable across restarts "
                         "(default: the host name)")
     e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="float32",
-                   help="float32, float16 or bfloat16 (default: %(default)s)")
+    e.add_argument("--dtype", default="auto",
+                   help="auto, float32, float16 or bfloat16; auto is the checkpoint's dtype, "
+                        "and bfloat16 on CUDA for a float32 checkpoint (default: %(default)s)")
     e.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV cache block (default: %(default)s)")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None,
@@ -196,11 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"genq worker: {exc}", file=sys.stderr)
         return 2
+    from engine.attention.kernel_check import KernelCheckError
+
     try:
         engine = Engine(engine_config)
     except (ValueError, OSError) as exc:  # a wrong path, an unsupported model
         print(f"genq worker: cannot load {args.model!r}: {exc}", file=sys.stderr)
         return 2
+    except KernelCheckError as exc:  # --attention-backend cupy on a GPU its kernels fail on
+        print(f"genq worker: {exc}", file=sys.stderr)
+        return 1
     worker = Worker(engine, cfg, metrics_server=metrics_server)
     tune_gc()
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import ForwardContext, attention_scale
+from engine.models.weights import Weights
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -95,7 +96,7 @@ class GPT2LMHeadModel(nn.Module):
         those rows only)."""
         return self.transformer.ln_f(hidden) @ self.transformer.wte.weight.t()
 
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: Weights) -> None:
         for name, param in self.named_parameters():
             source = tensors.get(name)
             if source is None:  # checkpoints saved from GPT2Model lack the prefix

@@ -20,6 +20,7 @@ from engine.models.layers import (
     apply_rotary,
     attention_scale,
 )
+from engine.models.weights import Weights
 
 
 class LlamaAttention(nn.Module):
@@ -116,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         it runs on those rows only)."""
         return self.lm_head(self.model.norm(hidden))
 
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: Weights) -> None:
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                  "gate_up_proj": ("gate_proj", "up_proj")}
         used: set[str] = set()
@@ -125,13 +126,16 @@ class LlamaForCausalLM(nn.Module):
                                              or "lm_head.weight" not in tensors):
                 name = "model.embed_tokens.weight"
             parts = next(((k, v) for k, v in fused.items() if f".{k}." in name), None)
-            if parts is None:
-                source = _take(tensors, name, used)
-            else:
-                source = torch.cat([_take(tensors, name.replace(parts[0], p), used)
-                                    for p in parts[1]])
             with torch.no_grad():
-                param.copy_(source)
+                if parts is None:
+                    tensors.copy_to(_take(tensors, name, used), param)
+                    continue
+                # Each part straight into its rows of the fused parameter: no concatenated copy.
+                kv = self.num_kv_heads * self.head_dim
+                sizes = [param.shape[0] // 2] * 2 if parts[0] == "gate_up_proj" else \
+                    [param.shape[0] - 2 * kv, kv, kv]
+                for part, rows in zip(parts[1], param.split(sizes), strict=True):
+                    tensors.copy_to(_take(tensors, name.replace(parts[0], part), used), rows)
         # A tensor left over is a weight this model would silently run without (a bias its
         # config does not announce, a layer of another architecture): refuse, do not guess.
         left = sorted(k for k in set(tensors) - used if not k.endswith("rotary_emb.inv_freq")
@@ -142,8 +146,8 @@ class LlamaForCausalLM(nn.Module):
                              "not describe these weights, or the architecture is another")
 
 
-def _take(tensors: dict[str, torch.Tensor], name: str, used: set[str]) -> torch.Tensor:
+def _take(tensors: Weights, name: str, used: set[str]) -> str:
     if name not in tensors:
         raise ValueError(f"the checkpoint has no tensor {name!r}; is this a Llama-family model?")
     used.add(name)
-    return tensors[name]
+    return name

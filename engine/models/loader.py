@@ -3,7 +3,6 @@ with model.safetensors.index.json) and the tokenizer."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ from torch import nn
 
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
+from engine.models.weights import SafetensorsWeights
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -38,19 +38,52 @@ def max_positions(config: Any) -> int:
     raise ValueError("the model config states no maximum length (max_position_embeddings)")
 
 
+def checkpoint_dtype(config: Any) -> str:
+    """The dtype config.json states the weights are in (`dtype`; older files say `torch_dtype`,
+    which AutoConfig reads into `dtype`); float32 when it states none, as transformers assumes."""
+    value = getattr(config, "dtype", None)
+    return "float32" if value is None else str(value).removeprefix("torch.")
+
+
+def resolve_dtype(requested: str, config: Any, device: torch.device,
+                  bf16_supported: bool | None = None) -> str:
+    """The dtype an engine runs in. "auto" is the checkpoint's dtype, with two exceptions on
+    CUDA, as vLLM decides: a float32 checkpoint runs in bfloat16 (tensor cores, half the
+    memory), and bfloat16 becomes float16 on a GPU without bfloat16 (before Ampere). On the CPU
+    "auto" keeps the checkpoint's dtype, float32 included: the CPU path runs all three, and
+    float32 is both the exact one and, without AVX512-BF16 or AMX, the fast one (vLLM's CPU
+    backend would run a float32 checkpoint in bfloat16). A stated dtype the engine does not run
+    (float64, int8) counts as float32. `bf16_supported` defaults to asking the device."""
+    if requested != "auto":
+        return requested
+    dtype = checkpoint_dtype(config)
+    if dtype not in DTYPES:
+        dtype = "float32"
+    if device.type != "cuda":
+        return dtype
+    if dtype == "float32":
+        dtype = "bfloat16"
+    if bf16_supported is None:
+        bf16_supported = torch.cuda.is_bf16_supported()
+    return "float16" if dtype == "bfloat16" and not bf16_supported else dtype
+
+
 def load_model(model_dir: str, config: Any, dtype: str, device: torch.device,
                max_len: int) -> nn.Module:
+    """The model in `dtype` on `device`, its weights copied in straight from the checkpoint:
+    parameters are allocated once, in the target dtype, and each tensor is read from disk and
+    converted as it is copied in (peak memory: the model plus one checkpoint tensor)."""
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     if arch not in _ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; supported: "
                          f"{', '.join(sorted(_ARCHITECTURES))}")
     with torch.device("meta"):
-        model = _ARCHITECTURES[arch](config, max_len)
+        model = _ARCHITECTURES[arch](config, max_len).to(DTYPES[dtype])
     model = model.to_empty(device=device)
-    model.load_weights(read_safetensors(Path(model_dir)))  # type: ignore[operator]
-    model = model.to(DTYPES[dtype]).eval()
+    with torch.no_grad():
+        model.load_weights(SafetensorsWeights(Path(model_dir)))  # type: ignore[operator]
     _rebuild_buffers(model, config, max_len, device)  # rope tables stay float32
-    return model
+    return model.eval()
 
 
 def _rebuild_buffers(model: nn.Module, config: Any, max_len: int, device: torch.device) -> None:
@@ -62,22 +95,6 @@ def _rebuild_buffers(model: nn.Module, config: Any, max_len: int, device: torch.
             fresh = RotaryEmbedding(config, head_dim, max_len).to(device)
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             setattr(parent, name.rsplit(".", 1)[-1], fresh)
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [f.name for f in sorted(path.glob("*.safetensors"))]
-    if not files:
-        raise ValueError(f"no .safetensors weights in {path}; convert the checkpoint first")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(path / name)))
-    return {k: v.float() for k, v in tensors.items()}
 
 
 def load_tokenizer(model_dir: str) -> Any:

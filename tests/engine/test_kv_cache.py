@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kv_cache import KVCache, copy_rounds
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, copy_rounds, num_device_blocks
 
 
 class AnyOrderBackend(TorchAttentionBackend):
@@ -49,3 +50,41 @@ def test_the_cache_copies_as_if_every_source_were_read_first() -> None:
     assert torch.equal(cache.device_cache, expected)
     assert [float(cache.device_cache[0, 0, b, 0, 0, 0]) for b in range(8)] == \
         [0.0, 1.0, 1.0, 2.0, 4.0, 7.0, 5.0, 7.0]
+
+
+GIB = 1 << 30
+
+
+def _stub_cuda_memory(monkeypatch: pytest.MonkeyPatch, free: int, total: int, reserved: int,
+                      allocated: int) -> None:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: allocated)
+
+
+def test_memory_torch_reserved_but_does_not_use_counts_as_free(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second engine in the process: the driver sees 10 of 80 GiB free, but torch's allocator
+    still caches 12 GiB the first engine freed (30 reserved, 18 allocated). With 0.9 of the
+    device usable, 8 GiB stay free: 10 + 12 - 8 = 14 GiB of 1 MiB blocks."""
+    _stub_cuda_memory(monkeypatch, free=10 * GIB, total=80 * GIB, reserved=30 * GIB,
+                      allocated=18 * GIB)
+    config = EngineConfig(model="m", gpu_memory_utilization=0.9)
+    assert num_device_blocks(config, 1 << 20, torch.device("cuda", 0)) == 14 * 1024
+
+
+def test_nothing_cached_and_too_little_free_gives_no_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _stub_cuda_memory(monkeypatch, free=7 * GIB, total=80 * GIB, reserved=2 * GIB,
+                      allocated=2 * GIB)
+    config = EngineConfig(model="m", gpu_memory_utilization=0.9)
+    assert num_device_blocks(config, 1 << 20, torch.device("cuda", 0)) == 0
+
+
+def test_the_override_and_the_cpu_budget_ignore_device_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _stub_cuda_memory(monkeypatch, free=0, total=80 * GIB, reserved=0, allocated=0)
+    assert num_device_blocks(EngineConfig(model="m", num_gpu_blocks_override=24), 1 << 20,
+                             torch.device("cuda", 0)) == 24
+    assert num_device_blocks(EngineConfig(model="m", kv_cache_memory=3 * GIB), 1 << 20,
+                             torch.device("cpu")) == 3 * 1024

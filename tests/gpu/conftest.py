@@ -1,14 +1,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import kernels
+from tests.gpu.precompile import run_children
+from tests.gpu.timeouts import pytest_runtest_protocol  # noqa: F401  (the per-test limits)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -21,8 +21,6 @@ def _precompile_kernel_modules(request: pytest.FixtureRequest) -> None:
     specs = [f"{str(d).removeprefix('torch.')}:{h}:{b}" for d in kernels.DTYPE_NAMES
              for h in kernels.HEAD_SIZES for b in kernels.BLOCK_SIZES]
     workers = max(1, min(len(specs), (os.cpu_count() or 2) - 1))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu.precompile", *specs[i::workers]],
-                              cwd=Path(__file__).parents[2], stderr=subprocess.PIPE, text=True)
-             for i in range(workers)]
-    errors = [p.communicate()[1] for p in procs if p.wait() != 0]
+    commands = [["-m", "tests.gpu.precompile", *specs[i::workers]] for i in range(workers)]
+    errors = [err for rc, err in run_children(commands, Path(__file__).parents[2]) if rc != 0]
     assert not errors, f"precompiling kernel modules failed:\n{errors[0][-4000:]}"

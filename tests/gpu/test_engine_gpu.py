@@ -20,6 +20,9 @@ pytestmark = [
 ]
 
 MAX_TOKENS = 24
+# Each engine gets a fixed, ample cache and little pinned swap space: sized from free memory,
+# the first engine of the process would take 90% of the device.
+ROOMY = dict(num_gpu_blocks_override=512, swap_space=0.05)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -69,7 +72,8 @@ def hf_greedy(model_dir: Path, batch: list[list[int]]) -> list[list[int]]:
 def test_cupy_backend_greedy_equals_transformers(llama_head64: Path, budget: int) -> None:
     batch = prompts(16, seed=1, lo=3, hi=200)
     llm = LLM(model=str(llama_head64), device="cuda", dtype="float32", attention_backend="cupy",
-              block_size=16, max_num_batched_tokens=budget, max_num_seqs=16, seed=0)
+              block_size=16, max_num_batched_tokens=budget, max_num_seqs=16, seed=0,
+              **ROOMY)
     outs = llm.generate(batch, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama_head64, batch)
     stats = llm.stats()
@@ -79,7 +83,7 @@ def test_cupy_backend_greedy_equals_transformers(llama_head64: Path, budget: int
 def test_swap_preemption_on_cuda_keeps_greedy_output(llama_head64: Path) -> None:
     batch = prompts(12, seed=2, lo=20, hi=60)
     roomy = LLM(model=str(llama_head64), device="cuda", dtype="float32",
-                attention_backend="cupy", block_size=16, max_num_seqs=12, seed=0)
+                attention_backend="cupy", block_size=16, max_num_seqs=12, seed=0, **ROOMY)
     expected = [o.outputs[0].token_ids for o in roomy.generate(batch, GREEDY, use_tqdm=False)]
     # 24 blocks of 16 tokens hold about 4 of these sequences at once: the rest must be swapped.
     tight = LLM(model=str(llama_head64), device="cuda", dtype="float32",
