@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet --upgrade pip
 	# The CPU wheel first: anything else would pull a multi-GB CUDA build.
 	$(VPY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
-	$(VPY) -m pip install --quiet -e '.[test,kernels,gateway,celery]'
+	$(VPY) -m pip install --quiet -e '.[test,kernels,gateway,celery,structured]'
 	touch $(STAMP)
 
 redis-server:
