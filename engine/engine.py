@@ -72,7 +72,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, backend, self.block_manager, self.device)
         self.sampler = Sampler(self.vocab_size)
-        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # Masks overlap the model where the CPU is free while it runs (a device); a CPU
+        # worker's cores run the model, and a thread more than cores stalls its OpenMP barriers.
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            overlap=self.device.type != "cpu")
         self._groups: dict[str, SequenceGroup] = {}
         self._rejected: list[SequenceGroup] = []
         self._seq_ids = itertools.count()
@@ -166,7 +169,12 @@ class Engine:
         batch = self.runner.order(sched.scheduled)
         outputs: dict[str, RequestOutput] = {}
         if batch:
+            if self.structured.overlap and self.structured.active:
+                self.structured.prefetch([(item.group, item.seq) for item in batch
+                                          if item.do_sample and item.group.params
+                                          .structured_outputs is not None], self.device)
             logits = self.runner.execute(batch, self.kv_cache.device_cache)
+            self.structured.wait()
             self._postprocess(batch, logits)
             self.counters["num_steps"] += 1
         delta = self.delta_outputs
@@ -274,9 +282,9 @@ class Engine:
                 logits_rows = logits  # the common case: one sample row per logits row, in order
             else:  # fan-out rows repeat their parent's row, beam rows go elsewhere
                 logits_rows = logits[torch.tensor(row_index, device=logits.device)]
-            allowed = self.structured.masks(grammar_seqs, logits.device) \
+            grammar_ban = self.structured.masks(grammar_seqs, logits.device) \
                 if grammar_seqs else None
-            result = self.sampler(logits_rows, rows, grammar_rows, allowed)
+            result = self.sampler(logits_rows, rows, grammar_rows, grammar_ban)
             targets = [seq for _, seq, _ in owners]
             if fanned:
                 for r, (group, seq, index) in enumerate(owners):

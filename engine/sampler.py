@@ -48,17 +48,17 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  grammar_rows: list[int] | None = None,
-                 allowed: torch.Tensor | None = None) -> SampleResult:
-        """`allowed` (bool [len(grammar_rows), vocab]): the tokens the grammar lets each of
-        `grammar_rows` draw; the other rows are not touched."""
+                 banned: torch.Tensor | None = None) -> SampleResult:
+        """`banned` (bool [len(grammar_rows), vocab]): the tokens the grammar forbids each of
+        `grammar_rows` to draw; the other rows are not touched."""
         logits = logits[:, : self.vocab_size].float()
         if grammar_rows:
-            assert allowed is not None
+            assert banned is not None
             if len(grammar_rows) == len(rows):
-                logits.masked_fill_(~allowed, float("-inf"))
+                logits.masked_fill_(banned, float("-inf"))
             else:
                 idx = torch.tensor(grammar_rows, device=logits.device)
-                logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+                logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
         if any(r.params.allowed_token_ids is not None for r in rows):
             logits = _apply_token_lists(logits, rows)
         for i, row in enumerate(rows):

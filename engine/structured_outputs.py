@@ -12,9 +12,11 @@ Rules this module keeps:
 - Each distinct grammar compiles once per engine (an LRU of compiled matchers, copied per
   sequence). Compiling runs on a thread of its own with a deadline: the request waits, the steps
   of everyone else do not.
-- The masks of all constrained rows of a step are computed in one call (llguidance's executor,
-  in parallel, without the GIL) into one packed bitmask; the sampler applies it with one
-  masked_fill. Steps without constrained rows do none of this.
+- The masks of all constrained rows of a step fill one packed bitmask (llguidance works without
+  the GIL); the sampler applies it with one masked_fill. On a device worker the masks are
+  computed on a thread of their own while the model runs (they depend only on the tokens sampled
+  before the step); a CPU worker's cores run the model, so there they are computed in turn.
+  Steps without constrained rows do none of this.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
     or regex, an unsupported JSON Schema keyword, a grammar that does not compile)."""
     kind = spec.kind
     value = getattr(spec, kind)
-    key = json.dumps(value, sort_keys=True) if kind in ("json", "choice") else str(value)
+    # (key order kept: a schema's property order is the output's)
+    key = json.dumps(value) if kind in ("json", "choice") else str(value)
     return _checked_grammar(kind, key)
 
 
@@ -117,13 +120,17 @@ class StructuredOutputs:
     """The engine's grammar state: compiled grammars, one matcher per constrained sequence."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE,
+                 overlap: bool = False, cache_size: int = DEFAULT_CACHE_SIZE,
                  compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size
         self.compile_timeout_s = compile_timeout_s
+        self.overlap = overlap  # compute masks while the model runs (prefetch)
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._prefetched: Future[tuple[dict[int, int], np.ndarray]] | None = None
+        self._ready: tuple[dict[int, int], np.ndarray] | None = None
         self.counters = {"num_grammar_compiles": 0, "num_grammar_cache_hits": 0}
         self._ll_tokenizer: Any = None
         self._executor: Any = None
@@ -137,6 +144,11 @@ class StructuredOutputs:
     @property
     def num_pending(self) -> int:
         return len(self.pending)
+
+    @property
+    def active(self) -> bool:
+        """Whether any admitted request is constrained (else a step does no grammar work)."""
+        return bool(self._templates)
 
     # -- compiling -------------------------------------------------------------------------------
     def start(self, group: SequenceGroup, grammar: str) -> bool:
@@ -234,23 +246,57 @@ class StructuredOutputs:
             state.num_consumed = num_out
         return matcher.is_stopped(), None
 
+    def prefetch(self, items: list[tuple[SequenceGroup, Sequence]], device: torch.device) -> None:
+        """Before the model runs: bring the matchers of this step's constrained samples up to
+        date and start their masks on the mask thread. wait() before touching a matcher."""
+        seqs = []
+        for group, seq in items:
+            if self.sync(group, seq)[1] is None:
+                seqs.append(seq)
+        if seqs:
+            if self._mask_pool is None:
+                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")
+            self._prefetched = self._mask_pool.submit(self._fill, seqs, device.type)
+
+    def wait(self) -> None:
+        if self._prefetched is not None:
+            self._ready = self._prefetched.result()
+            self._prefetched = None
+
     def masks(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-        """The allowed tokens of each (synced) sequence's next position: a bool [len(seqs),
-        vocab] tensor. One parallel call fills the packed bitmask of every distinct sequence."""
+        """The tokens each (synced) sequence may NOT draw next: a bool [len(seqs), vocab]
+        tensor, from one packed bitmask of every distinct sequence (prefetched, or filled now)."""
+        ready, self._ready = self._ready, None
+        if ready is None or any(s.seq_id not in ready[0] for s in seqs):
+            ready = self._fill(seqs, device.type)
+        index, packed = ready
+        rows = [index[s.seq_id] for s in seqs]
+        if rows != list(range(len(index))):
+            packed = packed[rows]
+        if device.type == "cpu":  # (numpy's unpackbits is one C pass; little-endian words)
+            bits = np.unpackbits((~packed).view(np.uint8), axis=1, bitorder="little")
+            return torch.from_numpy(bits[:, : self.vocab_size]).view(torch.bool)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        bits_t = (torch.from_numpy(packed).to(device).unsqueeze(-1) >> shifts) & 1
+        return bits_t.view(len(seqs), -1)[:, : self.vocab_size] == 0
+
+    def _fill(self, seqs: list[Sequence], device_type: str) -> tuple[dict[int, int], np.ndarray]:
         index: dict[int, int] = {}
         for seq in seqs:
             index.setdefault(seq.seq_id, len(index))
         width = (max(self.vocab_size, len(self.tokenizer)) + 31) // 32
         packed = np.zeros((len(index), width), dtype=np.int32)
-        self._executor.unsafe_compute_mask_ptr(
-            [(self._matchers[sid].matcher, k) for sid, k in index.items()],
-            packed.ctypes.data, width * 4, len(index))
-        rows = torch.from_numpy(packed).to(device)
-        if len(index) != len(seqs):
-            rows = rows[torch.tensor([index[s.seq_id] for s in seqs], device=device)]
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        bits = (rows.unsqueeze(-1) >> shifts) & 1
-        return bits.view(len(seqs), width * 32)[:, : self.vocab_size].bool()
+        matchers = [(self._matchers[sid].matcher, k) for sid, k in index.items()]
+        if device_type == "cpu":
+            # On a CPU worker the cores run the model: compute on one thread, not on a pool
+            # whose idle threads spin against the model's.
+            base, row_bytes = packed.ctypes.data, width * 4
+            for matcher, k in matchers:
+                matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+        else:  # (the device runs the model: the CPU's cores are free for the pool)
+            self._executor.unsafe_compute_mask_ptr(matchers, packed.ctypes.data, width * 4,
+                                                   len(index))
+        return index, packed
 
     def release(self, group: SequenceGroup) -> None:
         self.pending.pop(group.request_id, None)
@@ -259,6 +305,8 @@ class StructuredOutputs:
             self._matchers.pop(seq.seq_id, None)
 
     def clear(self) -> None:
+        self.wait()
+        self._ready = None
         self.pending.clear()
         self._templates.clear()
         self._matchers.clear()

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.engine.conftest import random_prompts
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "genq-tiny-stdlib"
 PROMPTS = ["def main():", "import os\n", "class Config:", "# settings\n", "return {",
@@ -49,7 +50,7 @@ SCHEMAS = [random_schema(random.Random(k)) for k in range(40)]
 
 @pytest.fixture(scope="module")
 def demo_llm() -> LLM:
-    return LLM(str(DEMO), block_size=8, kv_cache_memory=32 << 20, swap_space=0.05)
+    return LLM(str(DEMO), block_size=8, kv_cache_memory=32 << 20, num_threads=1, swap_space=0.05)
 
 
 def _json_params(k: int, schema: dict) -> SamplingParams:
@@ -124,9 +125,12 @@ def exact_reference(demo_llm) -> list[list[tuple]]:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_constrained_outputs_are_unchanged_by_preemption_chunking_and_batch_order(
         mode, exact_reference, make_llm):
-    llm = make_llm(DEMO, block_size=8, kv_cache_memory=32 << 20, preemption_mode=mode,
+    llm = make_llm(DEMO, block_size=8, kv_cache_memory=32 << 20, num_threads=1,
+                   preemption_mode=mode,
                    enable_chunked_prefill=True, max_num_batched_tokens=16,
                    artificial_preemption_prob=0.5, artificial_preemption_seed=5)
+    # recompute: masks computed while the model runs (a device worker's way), here on the CPU
+    llm.engine.structured.overlap = mode == "recompute"
     prompts, params = _exact_requests()
     order = list(reversed(range(len(prompts))))
     outs = llm.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False)
@@ -177,7 +181,7 @@ def test_params_refuse_two_grammars_and_beam_search_with_a_grammar():
 
 
 def test_a_compile_past_its_deadline_ends_only_its_request(make_llm):
-    llm = make_llm(DEMO, block_size=8, kv_cache_memory=32 << 20)
+    llm = make_llm(DEMO, block_size=8, kv_cache_memory=32 << 20, num_threads=1)
     llm.engine.structured.compile_timeout_s = 1e-4
     big = {"type": "object", "additionalProperties": False,
            "properties": {f"field_{i}": {"type": "string", "pattern": "[a-z]{1,9}(-[a-z]{1,9}){3}"}
@@ -191,9 +195,65 @@ def test_a_compile_past_its_deadline_ends_only_its_request(make_llm):
 
 
 def test_each_distinct_grammar_compiles_once(make_llm):
-    llm = make_llm(DEMO, block_size=8, kv_cache_memory=32 << 20)
+    llm = make_llm(DEMO, block_size=8, kv_cache_memory=32 << 20, num_threads=1)
     params = [SamplingParams(temperature=0, max_tokens=8,
                              structured_outputs={"json": SCHEMAS[k % 2]}) for k in range(6)]
     llm.generate(PROMPTS[:6], params, use_tqdm=False)
     stats = llm.stats()
     assert (stats["num_grammar_compiles"], stats["num_grammar_cache_hits"]) == (2, 4)
+
+
+def hf_greedy_biased(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+                     bias: dict[int, float]) -> list[list[int]]:
+    """transformers' greedy generate with sequence_bias of one-token sequences (the oracle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
+                                 max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=2,
+                                 sequence_bias={(t,): b for t, b in bias.items()})
+            outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def test_logit_bias_moves_the_argmax_and_equals_transformers_sequence_bias(tiny_llama, make_llm):
+    prompts = random_prompts(4, seed=9)
+    llm = make_llm(tiny_llama, block_size=8, num_threads=1)
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**greedy),
+                                                          use_tqdm=False)]
+    first = plain[0][0]
+    [down] = llm.generate(prompts[:1], SamplingParams(**greedy, logit_bias={first: -100}),
+                          use_tqdm=False)
+    assert down.outputs[0].token_ids[0] != first
+    [up] = llm.generate(prompts[:1], SamplingParams(**greedy, logit_bias={"77": 100}),
+                        use_tqdm=False)
+    assert up.outputs[0].token_ids == [77] * 8
+    bias = {first: -100.0, plain[1][1]: -4.5, 50: 3.0, 120: 2.5, 301: 6.0}
+    outs = llm.generate(prompts, SamplingParams(**greedy, logit_bias=bias), use_tqdm=False)
+    biased = [o.outputs[0].token_ids for o in outs]
+    assert biased != plain
+    assert biased == hf_greedy_biased(tiny_llama, prompts, 8, bias)
+
+
+def test_allowed_token_ids_bound_every_sampled_token(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, block_size=8, num_threads=1)
+    allowed = [11, 40, 41, 300]
+    outs = llm.generate(random_prompts(3, seed=4), [
+        SamplingParams(temperature=t, seed=1, n=2, max_tokens=10, ignore_eos=True,
+                       allowed_token_ids=allowed) for t in (0, 1.0, 2.0)], use_tqdm=False)
+    assert all(set(c.token_ids) <= set(allowed) for o in outs for c in o.outputs)
+
+
+def test_json_keys_come_in_the_schema_order(demo_llm):
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}}}
+    [out] = demo_llm.generate(["x ="], SamplingParams(temperature=0, max_tokens=20,
+                                                      structured_outputs={"json": schema}),
+                              use_tqdm=False)
+    assert list(json.loads(out.outputs[0].text)) == ["zeta", "alpha"]
