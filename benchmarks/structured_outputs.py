@@ -57,23 +57,24 @@ def one_round(engine: Any, prompts: list[str], mix: str, max_tokens: int,
 
 
 def compile_times(engine: Any) -> dict[str, float]:
+    from engine.grammar import _checked_grammar, grammar_of
     from engine.sampling_params import StructuredOutputsParams
-    from engine.structured_outputs import StructuredOutputs, _checked_grammar, grammar_of
+    from engine.structured_outputs import StructuredOutputs
     from tests.engine.test_structured_outputs import SCHEMAS
 
     start = time.perf_counter()
     fresh = StructuredOutputs(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
-    fresh._tokenizer()
+    fresh.compiler.ll_tokenizer()
     tokenizer_s = time.perf_counter() - start
     cold, cached = [], []
     for k, s in enumerate(SCHEMAS):
         spec = StructuredOutputsParams(json={**s, "title": f"bench-{k}"})  # (never seen)
         _checked_grammar.cache_clear()
         start = time.perf_counter()
-        fresh._compile(grammar_of(spec)).result()
+        fresh.compiler.compile(grammar_of(spec)).result()
         cold.append(time.perf_counter() - start)
         start = time.perf_counter()
-        fresh._compile(grammar_of(spec)).result()
+        fresh.compiler.compile(grammar_of(spec)).result()
         cached.append(time.perf_counter() - start)
     return {"tokenizer_s": tokenizer_s, "cold_ms_mean": 1000 * statistics.fmean(cold),
             "cold_ms_max": 1000 * max(cold), "cached_ms_mean": 1000 * statistics.fmean(cached)}

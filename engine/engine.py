@@ -18,6 +18,7 @@ from engine.attention.selector import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import decode_delta, decode_output, find_stop, init_offsets
+from engine.grammar import grammar_of
 from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
 from engine.models.loader import DTYPES, load_config, load_model, load_tokenizer, max_positions
@@ -26,7 +27,7 @@ from engine.sampler import Sampler, SampleRow, plain_greedy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.structured_outputs import StructuredOutputs, grammar_of
+from engine.structured_outputs import StructuredOutputs
 from engine.tokenizer import byte_table, fast_decoder, fast_encoder
 
 
@@ -257,7 +258,7 @@ class Engine:
             done = False
             if params.structured_outputs is not None:
                 done, error = self.structured.sync(group, seq)
-                if error is not None:
+                if error is not None:  # (an output token the grammar refuses: a bug)
                     self._fail(group, seq, error)
                     fanned = True  # (a logits row without a sample row: rows are re-indexed)
                     continue
@@ -294,9 +295,14 @@ class Engine:
                         group.seqs.append(child)
                         targets[r] = child
             append = self._append
-            for (group, _, _), seq, token, lp, top, done in zip(
+            for r, ((group, _, _), seq, token, lp, top, done) in enumerate(zip(
                     owners, targets, result.token_ids, result.logprobs, result.top_logprobs,
-                    grammar_done):
+                    grammar_done)):
+                if r in result.no_token_rows:
+                    self._fail(group, seq, "no token is allowed at output position "
+                               f"{seq.num_output_tokens}: the grammar, allowed_token_ids and "
+                               "the min_tokens ban of EOS leave none")
+                    continue
                 append(group, seq, token, lp, top, done)
         for group, members in beams.values():
             self.counters["num_generated_tokens"] += beam_search.advance(

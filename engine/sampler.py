@@ -38,6 +38,9 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]  # of the chosen tokens; None where no one asked (see below)
     top_logprobs: list[dict[int, float] | None]
+    # Rows whose masks (grammar, allowed_token_ids, min_tokens) left no token: their draw is
+    # meaningless and the caller ends them.
+    no_token_rows: frozenset[int] = frozenset()
 
 
 class Sampler:
@@ -61,9 +64,14 @@ class Sampler:
                 logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
         if any(r.params.allowed_token_ids is not None for r in rows):
             logits = _apply_token_lists(logits, rows)
+        masked = bool(grammar_rows)
         for i, row in enumerate(rows):
             if row.banned_token_ids:
                 logits[i, row.banned_token_ids] = float("-inf")
+                masked = masked or row.params.allowed_token_ids is not None
+        no_token: frozenset[int] = frozenset()
+        if masked:
+            no_token = frozenset(torch.isneginf(logits).all(dim=1).nonzero().flatten().tolist())
         if any(r.params.logit_bias for r in rows):
             logits = _apply_logit_bias(logits, rows)
         if any(_has_penalty(r.params) for r in rows):
@@ -93,7 +101,7 @@ class Sampler:
                 assert lp is not None
                 tops[i] = _top(torch.log_softmax(logits[i], dim=-1), row.params.logprobs,
                                token_ids[i], lp)
-        return SampleResult(token_ids, chosen_lp, tops)
+        return SampleResult(token_ids, chosen_lp, tops, no_token)
 
     @torch.inference_mode()
     def greedy(self, logits: torch.Tensor) -> list[int]:

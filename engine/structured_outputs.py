@@ -21,86 +21,20 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.grammar import DEFAULT_CACHE_SIZE, GrammarCompiler
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence, SequenceGroup
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
-DEFAULT_CACHE_SIZE = 256
-
-
-def _llguidance() -> Any:
-    try:
-        import llguidance
-    except ImportError:
-        raise ValueError("structured outputs need llguidance on the worker: "
-                         "pip install 'genq[structured]'") from None
-    return llguidance
-
-
-def grammar_of(spec: StructuredOutputsParams) -> str:
-    """llguidance's grammar for `spec`, checked: a ValueError names what is wrong (invalid JSON
-    or regex, an unsupported JSON Schema keyword, a grammar that does not compile)."""
-    kind = spec.kind
-    value = getattr(spec, kind)
-    # (key order kept: a schema's property order is the output's)
-    key = json.dumps(value) if kind in ("json", "choice") else str(value)
-    return _checked_grammar(kind, key)
-
-
-@lru_cache(maxsize=1024)
-def _checked_grammar(kind: str, key: str) -> str:
-    llg = _llguidance()
-    matcher = llg.LLMatcher
-    if kind == "json":
-        schema = json.loads(key)
-        if isinstance(schema, str):  # the schema's text, as vLLM also takes it
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise ValueError("structured_outputs.json must be a JSON Schema object, got "
-                             f"{type(schema).__name__}")
-        grammar = matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-    elif kind == "json_object":
-        grammar = matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
-    elif kind == "choice":
-        grammar = llg.grammar_from("choice", json.loads(key))
-    elif kind == "regex":
-        grammar = matcher.grammar_from_regex(key)
-    else:
-        try:
-            grammar = llg.grammar_from("grammar", key)
-        except ValueError as exc:
-            raise ValueError(f"structured_outputs.grammar: {exc}") from None
-    is_error, messages = matcher.validate_grammar_with_warnings(grammar, None, limits=_limits())
-    if is_error:
-        raise ValueError(f"structured_outputs.{kind} is not usable: {messages[0]}"[:1000])
-    return str(grammar)
-
-
-# Compact JSON (no optional whitespace): a model cannot spend its tokens on blank space.
-_JSON_OPTIONS = {"whitespace_flexible": False}
-
-
-def _limits() -> Any:
-    # llguidance's defaults bound compile work and each step's mask work (fuel, Earley items);
-    # errors stay short (no grammar dump that echoes a user's schema into logs).
-    return _llguidance().LLParserLimits(verbose_errors=False)
 
 
 @dataclass(slots=True)
@@ -125,18 +59,13 @@ class StructuredOutputs:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.cache_size = cache_size
         self.compile_timeout_s = compile_timeout_s
         self.overlap = overlap  # compute masks while the model runs (prefetch)
         self._mask_pool: ThreadPoolExecutor | None = None
         self._prefetched: Future[tuple[dict[int, int], np.ndarray]] | None = None
         self._ready: tuple[dict[int, int], np.ndarray] | None = None
-        self.counters = {"num_grammar_compiles": 0, "num_grammar_cache_hits": 0}
-        self._ll_tokenizer: Any = None
-        self._executor: Any = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()  # the cache is filled from the compile thread
-        self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids, cache_size)
+        self.counters = self.compiler.counters
         self._templates: dict[str, Any] = {}  # request id -> its compiled, unused matcher
         self._matchers: dict[int, _SeqMatcher] = {}  # seq_id -> its matcher
         self.pending: dict[str, _Pending] = {}  # request id -> compiling
@@ -153,7 +82,7 @@ class StructuredOutputs:
     # -- compiling -------------------------------------------------------------------------------
     def start(self, group: SequenceGroup, grammar: str) -> bool:
         """Compile (or find) the request's grammar: True when ready now, else it is pending."""
-        future = self._compile(grammar)
+        future = self.compiler.compile(grammar)
         if future.done() and future.exception() is None:
             self._templates[group.request_id] = future.result()
             return True
@@ -187,46 +116,6 @@ class StructuredOutputs:
                                         f"{self.compile_timeout_s:g} s; simplify the schema"))
         return ready, failed
 
-    def _compile(self, grammar: str) -> Future[Any]:
-        with self._lock:
-            future = self._cache.get(grammar)
-            if future is not None:
-                self._cache.move_to_end(grammar)
-                self.counters["num_grammar_cache_hits"] += 1
-                return future
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="genq-grammar")
-            future = self._pool.submit(self._build, grammar)
-            self._cache[grammar] = future
-            self.counters["num_grammar_compiles"] += 1
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return future
-
-    def _build(self, grammar: str) -> Any:
-        llg = _llguidance()
-        matcher = llg.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=_limits())
-        if matcher.is_error():
-            with self._lock:  # (a failure is not cached: its message goes to the requests
-                self._cache.pop(grammar, None)  # that wait on it, a later one tries again)
-            raise ValueError(f"the grammar does not compile: {matcher.get_error()}"[:1000])
-        return matcher
-
-    def _tokenizer(self) -> Any:
-        if self._ll_tokenizer is None:
-            backend = getattr(self.tokenizer, "backend_tokenizer", None)
-            if backend is None:
-                raise ValueError("structured outputs need a fast (Rust) Hugging Face tokenizer")
-            backend = type(backend).from_str(backend.to_str())  # (a copy, then no padding)
-            backend.no_padding()
-            backend.no_truncation()
-            llg = _llguidance()
-            size = max(self.vocab_size, len(self.tokenizer))
-            self._ll_tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=size,
-                                                 eos_token=self.eos_token_ids)
-            self._executor = llg.LLExecutor()
-        return self._ll_tokenizer
-
     # -- matching --------------------------------------------------------------------------------
     def sync(self, group: SequenceGroup, seq: Sequence) -> tuple[bool, str | None]:
         """Bring `seq`'s matcher up to its output tokens -> (the grammar is complete, so only EOS
@@ -241,8 +130,8 @@ class StructuredOutputs:
             if not matcher.is_stopped():  # (after the end only EOS comes: nothing to consume)
                 new = seq.token_ids[seq.num_prompt_tokens + state.num_consumed:]
                 if not matcher.consume_tokens(new):
-                    return False, ("no allowed token: the grammar and allowed_token_ids leave "
-                                   f"none at output position {num_out - 1}")
+                    return False, (f"the grammar refused output token(s) {new}: "
+                                   f"{matcher.get_error()}"[:500])
             state.num_consumed = num_out
         return matcher.is_stopped(), None
 
@@ -294,7 +183,7 @@ class StructuredOutputs:
             for matcher, k in matchers:
                 matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
         else:  # (the device runs the model: the CPU's cores are free for the pool)
-            self._executor.unsafe_compute_mask_ptr(matchers, packed.ctypes.data, width * 4,
+            self.compiler.executor.unsafe_compute_mask_ptr(matchers, packed.ctypes.data, width * 4,
                                                    len(index))
         return index, packed
 
@@ -310,7 +199,3 @@ class StructuredOutputs:
         self.pending.clear()
         self._templates.clear()
         self._matchers.clear()
-
-
-def constrained(params: SamplingParams) -> bool:
-    return params.structured_outputs is not None

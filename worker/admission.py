@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.grammar import grammar_of
 from engine.sampling_params import SamplingParams
-from engine.structured_outputs import grammar_of
 from producer.protocol import (
     JobSpec,
     Keys,

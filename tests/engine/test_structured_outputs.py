@@ -257,3 +257,16 @@ def test_json_keys_come_in_the_schema_order(demo_llm):
                                                       structured_outputs={"json": schema}),
                               use_tqdm=False)
     assert list(json.loads(out.outputs[0].text)) == ["zeta", "alpha"]
+
+
+def test_a_grammar_and_allowed_token_ids_that_leave_no_token_end_with_an_error(demo_llm):
+    letters = demo_llm.tokenizer.encode("abc", add_special_tokens=False)
+    bad, good = demo_llm.generate(["x =", "x ="], [
+        SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=letters,
+                       structured_outputs={"regex": "[0-9]+"}),
+        SamplingParams(temperature=0, max_tokens=3, structured_outputs={"regex": "[0-9]+"})],
+        use_tqdm=False)
+    assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("error", [])
+    assert bad.error == ("no token is allowed at output position 0: the grammar, "
+                         "allowed_token_ids and the min_tokens ban of EOS leave none")
+    assert good.outputs[0].text.isdigit()
