@@ -203,7 +203,7 @@ def _logit_bias(value: object) -> dict[int, float]:
                          f"{type(value).__name__}")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        if isinstance(key, str) and key.isdigit():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
             key = int(key)
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
             raise ValueError(f"logit_bias keys must be token ids, got {key!r}")

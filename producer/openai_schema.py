@@ -110,7 +110,7 @@ class _Request(BaseModel):
 def logit_bias(value: dict[str, float]) -> dict[str, float]:
     """OpenAI's logit_bias: token id (as a JSON key) -> a bias in [-100, 100]."""
     for key, bias in value.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):
             raise GatewayError(400, f"logit_bias keys are token ids, got {key!r}",
                                param="logit_bias")
         if not -100.0 <= bias <= 100.0:

@@ -185,7 +185,7 @@ def _is_logit_bias(v: object) -> bool:
     """Token id -> bias: keys are the ids' digits (JSON's form, all MessagePack maps here take:
     check_params turns int keys into them)."""
     return isinstance(v, dict) and all(
-        (_is_uint64(k) or (isinstance(k, str) and k.isdigit())) and _is_num(b)
+        (_is_uint64(k) or (isinstance(k, str) and k.isascii() and k.isdigit())) and _is_num(b)
         for k, b in v.items())
 
 

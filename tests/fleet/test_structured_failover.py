@@ -91,3 +91,24 @@ def test_a_bad_grammar_is_invalid_params_and_the_worker_serves_on(
                                "structured_outputs": {"regex": "[0-9]+"}},
                          model="tiny").result(timeout=120)
     assert done["outputs"][0]["text"].isdigit() and worker.alive()
+
+
+def test_the_wire_carries_structured_outputs_logit_bias_and_allowed_token_ids() -> None:
+    from engine import SamplingParams
+    from producer.protocol import JobSpec, Limits, ProtocolError, check_limits, check_params
+
+    params = check_params({"structured_outputs": {"json": {"type": "object"}},
+                           "logit_bias": {5: -100, "7": 2.5}, "allowed_token_ids": [1, 2]})
+    assert params["logit_bias"] == {"5": -100, "7": 2.5}  # (MessagePack maps here: str keys)
+    engine_params = SamplingParams.from_dict(params)
+    assert engine_params.logit_bias == {5: -100.0, 7: 2.5}
+    assert engine_params.structured_outputs is not None
+    assert engine_params.structured_outputs.json == {"type": "object"}
+    with pytest.raises(ProtocolError, match="structured_outputs must be a map with one of"):
+        check_params({"structured_outputs": {"json": {}, "regex": "a"}})
+    spec = JobSpec(id="j", model="m", prompt="x", params={"structured_outputs": {"regex": "ab"}})
+    check_limits(spec, Limits(max_grammar_bytes=14))  # {"regex":"ab"}: 14 bytes
+    with pytest.raises(ProtocolError, match="15 bytes .* over the cap of 14"):
+        check_limits(JobSpec(id="j", model="m", prompt="x",
+                             params={"structured_outputs": {"regex": "abc"}}),
+                     Limits(max_grammar_bytes=14))
