@@ -283,9 +283,11 @@ class Engine:
                 logits_rows = logits  # the common case: one sample row per logits row, in order
             else:  # fan-out rows repeat their parent's row, beam rows go elsewhere
                 logits_rows = logits[torch.tensor(row_index, device=logits.device)]
-            grammar_ban = self.structured.masks(grammar_seqs, logits.device) \
-                if grammar_seqs else None
-            result = self.sampler(logits_rows, rows, grammar_rows, grammar_ban)
+            if grammar_seqs:
+                grammar_ban = self.structured.masks(grammar_seqs, logits.device)
+                result = self.sampler(logits_rows, rows, grammar_rows, grammar_ban)
+            else:
+                result = self.sampler(logits_rows, rows)
             targets = [seq for _, seq, _ in owners]
             if fanned:
                 for r, (group, seq, index) in enumerate(owners):
