@@ -24,16 +24,16 @@ from tests.fleet.harness import (
 from tests.fleet.test_fleet import pending_of, stream_all
 from tests.tiny_models import corpus
 
-# Long enough (80 one-digit items) that no job ends between "held and streaming" and the kill.
+# Long enough (40 one-digit items) that no job ends between "held and streaming" and the kill.
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-          "minItems": 80, "maxItems": 80}
+          "minItems": 40, "maxItems": 40}
 
 
 def constrained_params(i: int) -> dict[str, Any]:
-    grammar = {"json": DIGITS} if i % 3 else {"regex": "([a-z]{3} ){60}[a-z]{3}"}
+    grammar = {"json": DIGITS} if i % 3 else {"regex": "([a-z]{3} ){30}[a-z]{3}"}
     if i % 2 == 0:
-        return {"temperature": 0, "max_tokens": 400, "structured_outputs": grammar}
-    return {"temperature": 0.9, "seed": 500 + i, "n": 1 + i % 4 // 3, "max_tokens": 400,
+        return {"temperature": 0, "max_tokens": 200, "structured_outputs": grammar}
+    return {"temperature": 0.9, "seed": 500 + i, "n": 1 + i % 4 // 3, "max_tokens": 200,
             "structured_outputs": grammar}
 
 
