@@ -1,14 +1,15 @@
 # syntax=docker/dockerfile:1
 # One image for the worker and the gateway (the gateway never imports torch, it just ships with it).
 #   docker build -t genq .                                  # CUDA torch + CuPy kernels
-#   docker build -t genq --build-arg TORCH_VARIANT=cpu --build-arg GENQ_EXTRAS= .   # CPU only
+#   docker build -t genq --build-arg TORCH_VARIANT=cpu --build-arg GENQ_EXTRAS=structured .   # CPU only
 FROM python:3.11-slim
 
 # TORCH_VARIANT picks the PyTorch wheel index: cpu, or a CUDA build such as cu130.
 ARG TORCH_VARIANT=cu130
 ARG TORCH_VERSION=2.13.0
-# Extras of the genq distribution: gpu (CuPy) and kernels (NVRTC) for the CuPy attention path.
-ARG GENQ_EXTRAS=gpu,kernels
+# Extras of the genq distribution: gpu (CuPy) and kernels (NVRTC) for the CuPy attention path,
+# structured (llguidance) for structured outputs.
+ARG GENQ_EXTRAS=gpu,kernels,structured
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

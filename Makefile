@@ -24,7 +24,7 @@ $(BASE_STAMP): pyproject.toml
 	touch $(BASE_STAMP)
 
 $(STAMP): $(BASE_STAMP)
-	$(VPY) -m pip install --quiet -e '.[test,kernels,gateway,celery]'
+	$(VPY) -m pip install --quiet -e '.[test,kernels,gateway,celery,structured]'
 	touch $(STAMP)
 
 redis-server:

@@ -19,6 +19,7 @@ from engine.attention.selector import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import decode_delta, decode_output, find_stop, init_offsets
+from engine.grammar import grammar_of
 from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
 from engine.models.loader import (
@@ -34,6 +35,7 @@ from engine.sampler import Sampler, SampleRow, plain_greedy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.structured_outputs import StructuredOutputs
 from engine.tokenizer import byte_table, fast_decoder, fast_encoder
 
 
@@ -81,6 +83,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, backend, self.block_manager, self.device)
         self.sampler = Sampler(self.vocab_size)
+        # Masks overlap the model where the CPU is free while it runs (a device); a CPU
+        # worker's cores run the model, and a thread more than cores stalls its OpenMP barriers.
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            overlap=self.device.type != "cpu")
         self._groups: dict[str, SequenceGroup] = {}
         self._rejected: list[SequenceGroup] = []
         self._seq_ids = itertools.count()
@@ -98,10 +104,15 @@ class Engine:
             raise ValueError(f"priority {priority} needs scheduling_policy='priority' (the "
                              "engine runs 'fcfs')")
         token_ids = self._tokenize(prompt)
-        out_of_vocab = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if out_of_vocab:  # (never sampled, and banning it under min_tokens would index past)
-            raise ValueError(f"stop_token_ids holds {out_of_vocab[0]}, outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            out_of_vocab = [t for t in ids if t >= self.vocab_size]
+            if out_of_vocab:  # (never sampled; banning or biasing it would index past)
+                raise ValueError(f"{name} holds {out_of_vocab[0]}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        so = params.structured_outputs
+        grammar = grammar_of(so) if so is not None else None  # (a ValueError names the fault)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(next(self._seq_ids), 0, token_ids, len(token_ids))
         init_offsets(seq)
@@ -125,6 +136,8 @@ class Engine:
                                 f"{self.config.max_num_batched_tokens}; lower best_of or raise "
                                 "max_num_batched_tokens")
             return
+        if grammar is not None and not self.structured.start(group, grammar):
+            return  # compiling: a later step schedules it (_admit_compiled)
         self.scheduler.add(group)
 
     def abort(self, request_id: str) -> bool:
@@ -132,6 +145,7 @@ class Engine:
         if group is None:
             return False
         self.scheduler.abort(request_id)
+        self.structured.release(group)
         self._rejected = [g for g in self._rejected if g is not group]
         return True
 
@@ -143,6 +157,7 @@ class Engine:
         counters = self.scheduler.counters
         self._groups.clear()
         self._rejected = []
+        self.structured.clear()
         num_blocks, num_host = self._num_blocks
         self.block_manager = BlockManager(num_blocks, num_host, self.config.block_size,
                                           self.config.watermark,  # (an empty prefix cache)
@@ -162,12 +177,19 @@ class Engine:
         `finished_only`, for those that finished: the offline LLM needs no partial outputs).
         With delta outputs, a request that progressed without anything new to hand out (a
         prefill chunk, text held back) has no output this step."""
+        if self.structured.pending:
+            self._admit_compiled()
         sched = self.scheduler.schedule()
         self._move_blocks(sched)
         batch = self.runner.order(sched.scheduled)
         outputs: dict[str, RequestOutput] = {}
         if batch:
+            if self.structured.overlap and self.structured.active:
+                self.structured.prefetch([(item.group, item.seq) for item in batch
+                                          if item.do_sample and item.group.params
+                                          .structured_outputs is not None], self.device)
             logits = self.runner.execute(batch, self.kv_cache.device_cache)
+            self.structured.wait()
             self._postprocess(batch, logits)
             self.counters["num_steps"] += 1
         delta = self.delta_outputs
@@ -203,10 +225,21 @@ class Engine:
             "num_evictable_blocks": bm.num_evictable_blocks,  # (of those, unheld: free)
             "prefix_cache_hit_rate": sc.counters["num_cached_tokens"]
             / max(sc.counters["num_prompt_tokens"], 1),
-            **sc.counters, **self.counters,
+            "num_compiling": self.structured.num_pending,  # waiting for their grammar
+            **sc.counters, **self.counters, **self.structured.counters,
         }
 
     # -- the step's parts ------------------------------------------------------------------------
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the scheduler; a failed or late compile ends
+        its request. With nothing else to run, wait for a compile rather than spin."""
+        sc = self.scheduler
+        ready, failed = self.structured.poll(wait=not (sc.running or sc.waiting or sc.swapped))
+        for group in ready:
+            sc.add(group)
+        for group, message in failed:
+            self._reject(group, message)
+
     def _move_blocks(self, sched: SchedulerOutput) -> None:
         assert not (sched.blocks_to_swap_in and sched.blocks_to_swap_out)
         self.kv_cache.swap_out(sched.blocks_to_swap_out)
@@ -224,6 +257,9 @@ class Engine:
         row_index: list[int] = []
         owners: list[tuple[SequenceGroup, Sequence, int]] = []  # (group, parent seq, fork index)
         beams: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
+        grammar_rows: list[int] = []  # rows the grammar masks, and the seq each one extends
+        grammar_seqs: list[Sequence] = []
+        grammar_done: list[bool] = []  # per row: the grammar is complete (only EOS may follow)
         eos = self.eos_token_ids
         fanned = False
         for r, item in enumerate(sampled):
@@ -233,27 +269,39 @@ class Engine:
                 beams.setdefault(id(group), (group, []))[1].append((seq, r))
                 continue
             num_out = len(seq.token_ids) - seq.num_prompt_tokens
+            done = False
+            if params.structured_outputs is not None:
+                done, error = self.structured.sync(group, seq)
+                if error is not None:  # (an output token the grammar refuses: a bug)
+                    self._fail(group, seq, error)
+                    fanned = True  # (a logits row without a sample row: rows are re-indexed)
+                    continue
             banned = None
-            if num_out < params.min_tokens:
+            # min_tokens bans EOS and stop ids unless the grammar is complete and allows only
+            # EOS: then EOS may end it early (vLLM's rule, since its PR #54218).
+            if num_out < params.min_tokens and not done:
                 banned = params.stop_token_ids + ([] if params.ignore_eos else sorted(eos))
-            if params.best_of == 1 or group.forked:
-                rows.append(SampleRow(params, group.seed, seq.index, num_out, seq.token_ids,
-                                      seq.num_prompt_tokens, banned))
-                owners.append((group, seq, seq.index))
-                row_index.append(r)
-                continue
-            fanned = True
-            for index in range(group.width):  # the first sample of a best_of group fans out
+            forked = params.best_of == 1 or group.forked
+            for index in [seq.index] if forked else range(group.width):
+                if params.structured_outputs is not None:
+                    grammar_rows.append(len(rows))
+                    grammar_seqs.append(seq)
                 rows.append(SampleRow(params, group.seed, index, num_out, seq.token_ids,
                                       seq.num_prompt_tokens, banned))
                 owners.append((group, seq, index))
                 row_index.append(r)
+                grammar_done.append(done)
+            fanned = fanned or not forked  # the first sample of a best_of group fans out
         if rows:
             if not fanned and not beams:
                 logits_rows = logits  # the common case: one sample row per logits row, in order
             else:  # fan-out rows repeat their parent's row, beam rows go elsewhere
                 logits_rows = logits[torch.tensor(row_index, device=logits.device)]
-            result = self.sampler(logits_rows, rows)
+            if grammar_seqs:
+                grammar_ban = self.structured.masks(grammar_seqs, logits.device)
+                result = self.sampler(logits_rows, rows, grammar_rows, grammar_ban)
+            else:
+                result = self.sampler(logits_rows, rows)
             targets = [seq for _, seq, _ in owners]
             if fanned:
                 for r, (group, seq, index) in enumerate(owners):
@@ -263,9 +311,15 @@ class Engine:
                         group.seqs.append(child)
                         targets[r] = child
             append = self._append
-            for (group, _, _), seq, token, lp, top in zip(owners, targets, result.token_ids,
-                                                          result.logprobs, result.top_logprobs):
-                append(group, seq, token, lp, top)
+            for r, ((group, _, _), seq, token, lp, top, done) in enumerate(zip(
+                    owners, targets, result.token_ids, result.logprobs, result.top_logprobs,
+                    grammar_done)):
+                if r in result.no_token_rows:
+                    self._fail(group, seq, "no token is allowed at output position "
+                               f"{seq.num_output_tokens}: the grammar, allowed_token_ids and "
+                               "the min_tokens ban of EOS leave none")
+                    continue
+                append(group, seq, token, lp, top, done)
         for group, members in beams.values():
             self.counters["num_generated_tokens"] += beam_search.advance(
                 group, members, logits[:, : self.vocab_size], self.block_manager, self.decoder,
@@ -309,7 +363,7 @@ class Engine:
             self.scheduler.remove_running(done)
 
     def _append(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float | None,
-                top: dict[int, float] | None) -> None:
+                top: dict[int, float] | None, grammar_done: bool = False) -> None:
         params = group.params
         ids = seq.token_ids
         ids.append(token)
@@ -320,7 +374,7 @@ class Engine:
             seq.cumulative_logprob += logprob
         if top is not None:
             seq.output_logprobs.append(top)
-        can_stop = num_out >= params.min_tokens
+        can_stop = num_out >= params.min_tokens or grammar_done
         if can_stop and params.stop_token_ids and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif can_stop and not params.ignore_eos and token in self.eos_token_ids:
@@ -359,7 +413,14 @@ class Engine:
                 or seq.read_offset < seq.num_prompt_tokens + num:
             seq.output_text = decode_output(self.decoder, seq, num, params.skip_special_tokens)
 
+    def _fail(self, group: SequenceGroup, seq: Sequence, message: str) -> None:
+        seq.finish_reason = "error"
+        group.error = message
+        self.block_manager.free(seq)
+
     def _finish_group(self, group: SequenceGroup) -> None:
+        if group.params.structured_outputs is not None:
+            self.structured.release(group)
         group.status = SequenceStatus.FINISHED
         group.finished_time = time.monotonic()
         self._groups.pop(group.request_id, None)

@@ -5,8 +5,10 @@ counter-based hash gives every (row, token) a uniform number, and sampling is th
 argmax(logits / T + Gumbel). So a seeded request draws the same tokens in any batch, after any
 preemption, on any worker.
 
-Order of processing (vLLM's): repetition/presence/frequency penalties, temperature, top-k,
-top-p, min-p, then the draw. Logprobs are of the penalised logits before temperature.
+Order of processing (vLLM's): the grammar mask (structured outputs), allowed_token_ids, the
+min_tokens ban, logit_bias, repetition/presence/frequency penalties, temperature, top-k, top-p,
+min-p, then the draw. Every mask applies before the draw, so a constrained seeded row races the
+same noise as an unconstrained one. Logprobs are of the processed logits before temperature.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]  # of the chosen tokens; None where no one asked (see below)
     top_logprobs: list[dict[int, float] | None]
+    # Rows whose masks (grammar, allowed_token_ids, min_tokens) left no token: their draw is
+    # meaningless and the caller ends them.
+    no_token_rows: frozenset[int] = frozenset()
 
 
 class Sampler:
@@ -44,11 +49,31 @@ class Sampler:
         self._vocab_hash: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 grammar_rows: list[int] | None = None,
+                 banned: torch.Tensor | None = None) -> SampleResult:
+        """`banned` (bool [len(grammar_rows), vocab]): the tokens the grammar forbids each of
+        `grammar_rows` to draw; the other rows are not touched."""
         logits = logits[:, : self.vocab_size].float()
+        if grammar_rows:
+            assert banned is not None
+            if len(grammar_rows) == len(rows):
+                logits.masked_fill_(banned, float("-inf"))
+            else:
+                idx = torch.tensor(grammar_rows, device=logits.device)
+                logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+        if any(r.params.allowed_token_ids is not None for r in rows):
+            logits = _apply_token_lists(logits, rows)
+        masked = bool(grammar_rows)
         for i, row in enumerate(rows):
             if row.banned_token_ids:
                 logits[i, row.banned_token_ids] = float("-inf")
+                masked = masked or row.params.allowed_token_ids is not None
+        no_token: frozenset[int] = frozenset()
+        if masked:
+            no_token = frozenset(torch.isneginf(logits).all(dim=1).nonzero().flatten().tolist())
+        if any(r.params.logit_bias for r in rows):
+            logits = _apply_logit_bias(logits, rows)
         if any(_has_penalty(r.params) for r in rows):
             logits = _apply_penalties(logits, rows)
         chosen = _argmax(logits)
@@ -76,7 +101,7 @@ class Sampler:
                 assert lp is not None
                 tops[i] = _top(torch.log_softmax(logits[i], dim=-1), row.params.logprobs,
                                token_ids[i], lp)
-        return SampleResult(token_ids, chosen_lp, tops)
+        return SampleResult(token_ids, chosen_lp, tops, no_token)
 
     @torch.inference_mode()
     def greedy(self, logits: torch.Tensor) -> list[int]:
@@ -112,7 +137,9 @@ def plain_greedy(p: SamplingParams) -> bool:
     """Whether every token of a request is the argmax of its raw logits (no penalty, no ban
     under min_tokens, no logprobs, one sequence): the engine then skips the sampler."""
     return (p.temperature == 0.0 and p.best_of == 1 and not p.use_beam_search
-            and p.logprobs is None and p.min_tokens == 0 and not _has_penalty(p))
+            and p.logprobs is None and p.min_tokens == 0 and not _has_penalty(p)
+            and p.structured_outputs is None and not p.logit_bias
+            and p.allowed_token_ids is None)
 
 
 def _wants_logprobs(p: SamplingParams) -> bool:
@@ -148,6 +175,36 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
     pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
     return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+
+def _apply_token_lists(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """allowed_token_ids: every other token of the row is -inf (ids past the vocabulary are
+    dropped: the model cannot draw them)."""
+    vocab, dev = logits.shape[1], logits.device
+    keep_rows = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    allowed = torch.zeros(len(keep_rows), vocab, dtype=torch.bool, device=dev)
+    for k, i in enumerate(keep_rows):
+        ids = [t for t in rows[i].params.allowed_token_ids or () if t < vocab]
+        allowed[k, ids] = True
+    idx = torch.tensor(keep_rows, device=dev)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """OpenAI's logit_bias: added to the token's logit (ids past the vocabulary ignored)."""
+    vocab, dev = logits.shape[1], logits.device
+    row_ids, token_ids, biases = [], [], []
+    for i, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            if token < vocab:
+                row_ids.append(i)
+                token_ids.append(token)
+                biases.append(bias)
+    if row_ids:
+        logits.index_put_((torch.tensor(row_ids, device=dev), torch.tensor(token_ids, device=dev)),
+                          torch.tensor(biases, device=dev), accumulate=True)
+    return logits
 
 
 def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -7,7 +7,45 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _INT_LIMIT = 2**63 - 1
+_GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MIN_TEMPERATURE = 0.01  # a positive temperature below this samples at this one (vLLM)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names); exactly one is given. `json` is a JSON Schema
+    (a map, or its text), `regex` a regular expression the whole output matches, `choice` the
+    strings it may be, `grammar` a Lark or GBNF grammar, `json_object` any JSON object."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _GRAMMAR_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON Schema (a map or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        if self.json_object not in (None, True):
+            raise ValueError("structured_outputs.json_object must be true when given")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _GRAMMAR_KINDS if getattr(self, k) not in (None, False))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.kind: getattr(self, self.kind)}
 
 
 @dataclass
@@ -33,8 +71,15 @@ class SamplingParams:
     early_stopping: bool | str = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured(self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list(self.stop, "stop must be a string or a list of non-empty strings")
@@ -59,7 +104,10 @@ class SamplingParams:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.structured_outputs is not None:
+            data["structured_outputs"] = self.structured_outputs.to_dict()
+        return data
 
     @property
     def greedy(self) -> bool:
@@ -122,9 +170,48 @@ class SamplingParams:
                 raise ValueError("beam search is deterministic: leave temperature at 0 or 1")
             if self.early_stopping not in (True, False, "never"):
                 raise ValueError("early_stopping must be True, False or 'never'")
+            if self.structured_outputs is not None or self.logit_bias or \
+                    self.allowed_token_ids is not None:
+                raise ValueError("beam search does not take structured_outputs, logit_bias or "
+                                 "allowed_token_ids: it ranks the model's own distribution; "
+                                 "use sampling (n, best_of) with them instead")
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a map such as {\"json\": {...}}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def _structured(data: dict[str, Any]) -> StructuredOutputsParams:
+    unknown = sorted(str(k) for k in data if k not in _GRAMMAR_KINDS)
+    if unknown:
+        raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)}; known: "
+                         f"{', '.join(_GRAMMAR_KINDS)}")
+    return StructuredOutputsParams(**data)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """Token id (an int, or its digits as JSON keys carry it) -> a bias in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a map of token id -> bias, got "
+                         f"{type(value).__name__}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias[{key}] must be a number in [-100, 100], got {bias!r}")
+        out[key] = float(bias)
+    return out
 
 
 def _as_list(value: object, message: str) -> list[Any]:

@@ -73,9 +73,13 @@ def add_limit_args(parser: argparse.ArgumentParser, who: str) -> None:
                    help="the largest n / best_of a job may ask for (default: %(default)s)")
     c.add_argument("--max-stop", type=int, default=Limits.max_stop,
                    help="the most stop strings a job may give (default: %(default)s)")
+    c.add_argument("--max-grammar-bytes", type=int, default=Limits.max_grammar_bytes,
+                   help="a larger structured_outputs (a JSON schema, regex, choice or grammar, "
+                        "as compact JSON) is refused (default: %(default)s)")
 
 
 def limits_from_args(args: argparse.Namespace) -> Limits:
     return Limits(max_job_bytes=args.max_job_bytes, max_prompt_bytes=args.max_prompt_bytes,
                   max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_cap,
-                  max_n=args.max_n, max_stop=args.max_stop)
+                  max_n=args.max_n, max_stop=args.max_stop,
+                  max_grammar_bytes=args.max_grammar_bytes)

@@ -59,6 +59,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
                      mode="before")
@@ -73,9 +74,9 @@ class _Request(BaseModel):
         return None
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
-        if self.logit_bias:
-            raise GatewayError(400, "logit_bias is not supported by genq", param="logit_bias")
         params: dict[str, Any] = {name: getattr(self, name) for name in _SHARED}
+        if self.logit_bias:
+            params["logit_bias"] = logit_bias(self.logit_bias)
         if params["seed"] is None:
             del params["seed"]
         else:  # folded into the engine's [0, 2**63): -1 and 2**63 - 1 sample alike
@@ -88,6 +89,13 @@ class _Request(BaseModel):
             if name not in EXTRA_PARAM_NAMES:
                 raise GatewayError(400, f"unknown or unsupported parameter {name!r}", param=name)
             params[name] = value
+        if self.response_format is not None:
+            grammar = response_format(self.response_format)
+            if grammar is not None:
+                if "structured_outputs" in params:
+                    raise GatewayError(400, "give response_format or structured_outputs, not "
+                                       "both", param="response_format")
+                params["structured_outputs"] = grammar
         if self.logprobs_k is not None:
             if params.get("use_beam_search"):
                 raise GatewayError(400, "logprobs with use_beam_search is not supported: beam "
@@ -98,6 +106,35 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def logit_bias(value: dict[str, float]) -> dict[str, float]:
+    """OpenAI's logit_bias: token id (as a JSON key) -> a bias in [-100, 100]."""
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise GatewayError(400, f"logit_bias keys are token ids, got {key!r}",
+                               param="logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise GatewayError(400, f"logit_bias[{key}] is {bias}, outside [-100, 100]",
+                               param="logit_bias")
+    return dict(value)
+
+
+def response_format(value: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's response_format as genq's structured_outputs (None: plain text)."""
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise GatewayError(400, "response_format json_schema needs json_schema.schema, a "
+                               "JSON Schema object", param="response_format")
+        return {"json": spec["schema"]}  # (strict or not, the output follows the schema)
+    raise GatewayError(400, f"response_format.type {kind!r} is not supported: use text, "
+                       "json_object or json_schema", param="response_format")
 
 
 class CompletionRequest(_Request):

@@ -19,6 +19,7 @@ so attempt numbers keep increasing when a draining worker hands a job back.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -189,6 +190,25 @@ def _is_str(v: object) -> bool:
     return isinstance(v, str)
 
 
+_GRAMMAR_KINDS = {"json": lambda v: isinstance(v, (dict, str)), "regex": _is_str,
+                  "choice": _list_of(_is_str), "grammar": _is_str, "json_object": _is_bool}
+
+
+def _is_structured(v: object) -> bool:
+    """{"json": schema} or {"regex" | "grammar": str} or {"choice": [str]} or
+    {"json_object": true}: exactly one (the engine checks the grammar itself)."""
+    return (isinstance(v, dict) and len(v) == 1 and next(iter(v)) in _GRAMMAR_KINDS
+            and _GRAMMAR_KINDS[next(iter(v))](next(iter(v.values()))))
+
+
+def _is_logit_bias(v: object) -> bool:
+    """Token id -> bias: keys are the ids' digits (JSON's form, all MessagePack maps here take:
+    check_params turns int keys into them)."""
+    return isinstance(v, dict) and all(
+        (_is_uint64(k) or (isinstance(k, str) and k.isascii() and k.isdigit())) and _is_num(b)
+        for k, b in v.items())
+
+
 # The SamplingParams fields (engine/sampling_params.py) and the wire types each accepts. The engine
 # does the full value validation; this table lets a producer fail fast without importing the engine
 # (a test holds it equal to the engine's dataclass fields).
@@ -214,6 +234,10 @@ SAMPLING_PARAM_CHECKS: dict[str, tuple[Check, str]] = {
     "early_stopping": (lambda v: _is_bool(v) or _is_str(v), "bool or str"),
     "include_stop_str_in_output": (_is_bool, "bool"),
     "skip_special_tokens": (_is_bool, "bool"),
+    "structured_outputs": (_opt(_is_structured), "a map with one of json (a schema), regex, "
+                           "choice (a list of str), grammar, json_object (true)"),
+    "logit_bias": (_opt(_is_logit_bias), "a map of token id -> number"),
+    "allowed_token_ids": (_opt(_list_of(_is_uint64)), "list of int"),
 }
 SAMPLING_PARAM_NAMES = frozenset(SAMPLING_PARAM_CHECKS)
 
@@ -235,6 +259,8 @@ def check_params(params: object, job_id: str | None = None) -> dict[str, Any]:
                                     "range: the wire carries 64-bit integers", job_id)
             raise ProtocolError("wrong_type", f"params.{name} must be {kind}, "
                                 f"got {type(value).__name__} {value!r:.80}", job_id)
+    if params.get("logit_bias"):  # (the wire's maps have str keys; Python callers give ints)
+        params["logit_bias"] = {str(k): v for k, v in params["logit_bias"].items()}
     for name in ("n", "max_tokens"):
         if params.get(name) is not None and params[name] < 1:
             raise ProtocolError("invalid_params", f"params.{name} must be at least 1, "
@@ -509,6 +535,7 @@ class Limits:
     max_n: int = 16
     max_stop: int = 16
     max_stop_bytes: int = 256
+    max_grammar_bytes: int = 64 << 10  # structured_outputs, as compact JSON
 
 
 def check_limits(spec: JobSpec, limits: Limits) -> None:
@@ -541,6 +568,15 @@ def check_limits(spec: JobSpec, limits: Limits) -> None:
                    "bytes each")
     if len(p.get("stop_token_ids", [])) > limits.max_stop:
         raise over(f"at most {limits.max_stop} stop_token_ids")
+    if p.get("structured_outputs") is not None:
+        size = len(_json_text(p["structured_outputs"]).encode())
+        if size > limits.max_grammar_bytes:
+            raise over(f"structured_outputs is {size} bytes (as compact JSON), over the cap of "
+                       f"{limits.max_grammar_bytes} (--max-grammar-bytes)")
+
+
+def _json_text(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=repr)
 
 
 def check_job_bytes(job_id: str, payload: bytes, limits: Limits) -> None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.grammar import grammar_of
 from engine.sampling_params import SamplingParams
 from producer.protocol import (
     JobSpec,
@@ -124,11 +125,19 @@ class Admission:
             params = SamplingParams.from_dict(self._params(spec))
         except Exception as exc:  # ValueError with the engine's reason, or worse
             return reject("invalid_params", str(exc) or type(exc).__name__)
-        outside = [t for t in params.stop_token_ids
-                   if self.vocab_size is not None and not 0 <= t < self.vocab_size]
-        if outside:  # (the engine refuses them too, but as a prompt error)
-            return reject("invalid_params", f"stop_token_ids holds {outside[0]}, outside the "
-                          f"vocabulary [0, {self.vocab_size})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids
+                       if self.vocab_size is not None and not 0 <= t < self.vocab_size]
+            if outside:  # (the engine refuses them too, but as a prompt error)
+                return reject("invalid_params", f"{name} holds {outside[0]}, outside the "
+                              f"vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            try:  # (checked once per distinct grammar; the engine compiles it off its step)
+                grammar_of(params.structured_outputs)
+            except Exception as exc:  # ValueError naming the fault, or the library's own
+                return reject("invalid_params", str(exc) or type(exc).__name__)
         job = ActiveJob(entry_id=entry_id, deliveries=deliveries, attempt=attempt, spec=spec,
                         fields=dict(fields), reply_key=self.keys.reply(spec.id),
                         stream_tokens=spec.stream and not params.use_beam_search

@@ -1,0 +1,201 @@
+"""Structured outputs: decoding constrained to a JSON Schema, a regex, a choice or a grammar.
+
+The backend is llguidance (a Rust library without torch): it compiles a grammar against the
+tokenizer's vocabulary and, for a matcher state, computes the mask of tokens that keep the output
+inside the grammar, in bytes, so byte-level BPE tokens that split a character are handled.
+
+Rules this module keeps:
+- A matcher's state is a function of the sequence's output tokens: before each mask the matcher
+  consumes the tokens it has not seen yet, and a sequence without a matcher (a fork, a replay on
+  another worker) gets a fresh one that consumes all its outputs. Preemption (recompute or swap)
+  keeps output tokens, so it keeps the state.
+- Each distinct grammar compiles once per engine (an LRU of compiled matchers, copied per
+  sequence). Compiling runs on a thread of its own with a deadline: the request waits, the steps
+  of everyone else do not.
+- The masks of all constrained rows of a step fill one packed bitmask (llguidance works without
+  the GIL); the sampler applies it with one masked_fill. On a device worker the masks are
+  computed on a thread of their own while the model runs (they depend only on the tokens sampled
+  before the step); a CPU worker's cores run the model, so there they are computed in turn.
+  Steps without constrained rows do none of this.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from engine.grammar import DEFAULT_CACHE_SIZE, GrammarCompiler
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence, SequenceGroup
+
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    group: SequenceGroup
+    future: Future[Any]
+    deadline: float
+
+
+@dataclass(slots=True)
+class _SeqMatcher:
+    matcher: Any
+    num_consumed: int = 0
+
+
+class StructuredOutputs:
+    """The engine's grammar state: compiled grammars, one matcher per constrained sequence."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int],
+                 overlap: bool = False, cache_size: int = DEFAULT_CACHE_SIZE,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.compile_timeout_s = compile_timeout_s
+        self.overlap = overlap  # compute masks while the model runs (prefetch)
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._prefetched: Future[tuple[dict[int, int], np.ndarray]] | None = None
+        self._ready: tuple[dict[int, int], np.ndarray] | None = None
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids, cache_size)
+        self.counters = self.compiler.counters
+        self._templates: dict[str, Any] = {}  # request id -> its compiled, unused matcher
+        self._matchers: dict[int, _SeqMatcher] = {}  # seq_id -> its matcher
+        self.pending: dict[str, _Pending] = {}  # request id -> compiling
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
+
+    @property
+    def active(self) -> bool:
+        """Whether any admitted request is constrained (else a step does no grammar work)."""
+        return bool(self._templates)
+
+    # -- compiling -------------------------------------------------------------------------------
+    def start(self, group: SequenceGroup, grammar: str) -> bool:
+        """Compile (or find) the request's grammar: True when ready now, else it is pending."""
+        future = self.compiler.compile(grammar)
+        if future.done() and future.exception() is None:
+            self._templates[group.request_id] = future.result()
+            return True
+        self.pending[group.request_id] = _Pending(group, future,
+                                                  time.monotonic() + self.compile_timeout_s)
+        return False
+
+    def poll(self, wait: bool) -> tuple[list[SequenceGroup], list[tuple[SequenceGroup, str]]]:
+        """Pending requests whose grammar is ready, and those whose compile failed or ran past
+        its deadline (with why). With `wait`, block until at least one is decided."""
+        if wait and self.pending:
+            first = min(self.pending.values(), key=lambda p: p.deadline)
+            try:
+                first.future.exception(timeout=max(0.0, first.deadline - time.monotonic()))
+            except TimeoutError:
+                pass
+        ready, failed = [], []
+        now = time.monotonic()
+        for request_id, p in list(self.pending.items()):
+            if p.future.done():
+                del self.pending[request_id]
+                exc = p.future.exception()
+                if exc is None:
+                    self._templates[request_id] = p.future.result()
+                    ready.append(p.group)
+                else:
+                    failed.append((p.group, str(exc)))
+            elif now >= p.deadline:
+                del self.pending[request_id]
+                failed.append((p.group, f"the grammar did not compile within "
+                                        f"{self.compile_timeout_s:g} s; simplify the schema"))
+        return ready, failed
+
+    # -- matching --------------------------------------------------------------------------------
+    def sync(self, group: SequenceGroup, seq: Sequence) -> tuple[bool, str | None]:
+        """Bring `seq`'s matcher up to its output tokens -> (the grammar is complete, so only EOS
+        may follow; an error message when an output token broke the grammar)."""
+        state = self._matchers.get(seq.seq_id)
+        if state is None:
+            state = _SeqMatcher(self._templates[group.request_id].deep_copy())
+            self._matchers[seq.seq_id] = state
+        matcher = state.matcher
+        num_out = seq.num_tokens - seq.num_prompt_tokens
+        if state.num_consumed < num_out:
+            if not matcher.is_stopped():  # (after the end only EOS comes: nothing to consume)
+                new = seq.token_ids[seq.num_prompt_tokens + state.num_consumed:]
+                if not matcher.consume_tokens(new):
+                    return False, (f"the grammar refused output token(s) {new}: "
+                                   f"{matcher.get_error()}"[:500])
+            state.num_consumed = num_out
+        return matcher.is_stopped(), None
+
+    def prefetch(self, items: list[tuple[SequenceGroup, Sequence]], device: torch.device) -> None:
+        """Before the model runs: bring the matchers of this step's constrained samples up to
+        date and start their masks on the mask thread. wait() before touching a matcher."""
+        seqs = []
+        for group, seq in items:
+            if self.sync(group, seq)[1] is None:
+                seqs.append(seq)
+        if seqs:
+            if self._mask_pool is None:
+                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")
+            self._prefetched = self._mask_pool.submit(self._fill, seqs, device.type)
+
+    def wait(self) -> None:
+        if self._prefetched is not None:
+            self._ready = self._prefetched.result()
+            self._prefetched = None
+
+    def masks(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """The tokens each (synced) sequence may NOT draw next: a bool [len(seqs), vocab]
+        tensor, from one packed bitmask of every distinct sequence (prefetched, or filled now)."""
+        ready, self._ready = self._ready, None
+        if ready is None or any(s.seq_id not in ready[0] for s in seqs):
+            ready = self._fill(seqs, device.type)
+        index, packed = ready
+        rows = [index[s.seq_id] for s in seqs]
+        if rows != list(range(len(index))):
+            packed = packed[rows]
+        if device.type == "cpu":  # (numpy's unpackbits is one C pass; little-endian words)
+            bits = np.unpackbits((~packed).view(np.uint8), axis=1, bitorder="little")
+            return torch.from_numpy(bits[:, : self.vocab_size]).view(torch.bool)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        bits_t = (torch.from_numpy(packed).to(device).unsqueeze(-1) >> shifts) & 1
+        return bits_t.view(len(seqs), -1)[:, : self.vocab_size] == 0
+
+    def _fill(self, seqs: list[Sequence], device_type: str) -> tuple[dict[int, int], np.ndarray]:
+        index: dict[int, int] = {}
+        for seq in seqs:
+            index.setdefault(seq.seq_id, len(index))
+        width = (max(self.vocab_size, len(self.tokenizer)) + 31) // 32
+        packed = np.zeros((len(index), width), dtype=np.int32)
+        matchers = [(self._matchers[sid].matcher, k) for sid, k in index.items()]
+        if device_type == "cpu":
+            # On a CPU worker the cores run the model: compute on one thread, not on a pool
+            # whose idle threads spin against the model's.
+            base, row_bytes = packed.ctypes.data, width * 4
+            for matcher, k in matchers:
+                matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+        else:  # (the device runs the model: the CPU's cores are free for the pool)
+            self.compiler.executor.unsafe_compute_mask_ptr(matchers, packed.ctypes.data, width * 4,
+                                                   len(index))
+        return index, packed
+
+    def release(self, group: SequenceGroup) -> None:
+        self.pending.pop(group.request_id, None)
+        self._templates.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._matchers.pop(seq.seq_id, None)
+
+    def clear(self) -> None:
+        self.wait()
+        self._ready = None
+        self.pending.clear()
+        self._templates.clear()
+        self._matchers.clear()
