@@ -1,0 +1,348 @@
+// The shim's default executor (included by cuda_cpu_shim.h): the CUDA threads of a CTA are fibers
+// on one OS thread, and a grid's CTAs are spread over a pool of OS threads.
+//
+// A fiber runs until it waits at a barrier (__syncthreads, a shuffle's warp barrier) and then
+// hands control back to its CTA's scheduler, which resumes the CTA's fibers round-robin. So a
+// barrier costs two stack switches per thread, not an OS context switch, and a launch starts no
+// thread. Fibers and their stacks persist per OS thread and are reused by every CTA it runs.
+// A round in which no fiber arrives anywhere or exits is a deadlock (a kernel with threads at
+// different barriers) and raises std::logic_error, as a hang on a GPU would be a bug.
+#pragma once
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace cuda_shim {
+
+// ---- stack switching ----------------------------------------------------------------------------
+#if defined(__x86_64__)
+// Saves the System V callee-saved registers on the current stack, stores its stack pointer in
+// *save, loads `load` and pops the registers saved there (a fresh stack holds zeros and the
+// fiber's entry point as the return address).
+extern "C" void genq_shim_switch(void** save, void* load);
+asm(R"(
+  .pushsection .text
+  .weak genq_shim_switch
+  .hidden genq_shim_switch
+  .type genq_shim_switch, @function
+genq_shim_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size genq_shim_switch, .-genq_shim_switch
+  .popsection
+)");
+struct Context {
+  void* sp = nullptr;
+  void start(char* stack, std::size_t size, void (*entry)()) {
+    // At entry (rsp + 8) % 16 == 0, as after a call; the return address slot holds 0.
+    void** top = reinterpret_cast<void**>(
+        (reinterpret_cast<std::uintptr_t>(stack + size) & ~std::uintptr_t{15}));
+    *--top = nullptr;
+    *--top = reinterpret_cast<void*>(entry);
+    for (int i = 0; i < 6; ++i) *--top = nullptr;
+    sp = top;
+  }
+  void switch_to(Context& next) { genq_shim_switch(&sp, next.sp); }
+};
+#else  // portable: ucontext (slower: swapcontext also saves the signal mask)
+struct Context {
+  ucontext_t uc;
+  void start(char* stack, std::size_t size, void (*entry)()) {
+    getcontext(&uc);
+    uc.uc_stack.ss_sp = stack;
+    uc.uc_stack.ss_size = size;
+    uc.uc_link = nullptr;
+    makecontext(&uc, entry, 0);
+  }
+  void switch_to(Context& next) { swapcontext(&uc, &next.uc); }
+};
+#endif
+
+// ---- barriers and the CTA ---------------------------------------------------------------------
+void yield();
+inline thread_local std::uint64_t progress = 0;  // arrivals and exits, for deadlock detection
+
+struct Barrier {
+  int expected = 0, arrived = 0;
+  unsigned int phase = 0;
+  void wait() {
+    ++progress;
+    const unsigned int my_phase = phase;
+    if (++arrived == expected) {
+      arrived = 0;
+      ++phase;
+      return;
+    }
+    while (phase == my_phase) yield();
+  }
+  void drop() {  // an exited thread: the current and later phases expect one fewer arrival
+    ++progress;
+    if (--expected > 0 && arrived == expected) {
+      arrived = 0;
+      ++phase;
+    }
+  }
+};
+
+struct Cta {
+  void reset(int n) {
+    num_threads = n;
+    for (auto& s : slots) s.assign(n, 0);
+    all = Barrier{n};
+    warps.assign((n + 31) / 32, Barrier{});
+    for (int w = 0; w < static_cast<int>(warps.size()); ++w) warps[w].expected = std::min(32, n - 32 * w);
+  }
+  void sync() { all.wait(); }
+  void sync_warp(int warp) { warps[warp].wait(); }
+
+  int num_threads = 0;
+  std::vector<std::uint64_t> slots[2];  // two shuffle slots per thread (see shuffle)
+  Barrier all;
+  std::vector<Barrier> warps;
+};
+
+inline thread_local Cta* current_cta = nullptr;
+
+// ---- one OS thread's fibers --------------------------------------------------------------------
+class Executor {
+ public:
+  static constexpr std::size_t kStackSize = 256 * 1024;
+
+  ~Executor() { discard(); }
+
+  // Runs one CTA to completion on this OS thread; rethrows what a CUDA thread threw.
+  void run(dim3 grid, dim3 block, dim3 index, const std::function<void()>& body) {
+    const int n = static_cast<int>(block.x * block.y * block.z);
+    while (static_cast<int>(fibers_.size()) < n) add_fiber();
+    cta_.reset(n);
+    body_ = &body;
+    error_ = nullptr;
+    current_cta = &cta_;
+    blockIdx = index;
+    blockDim = block;
+    gridDim = grid;
+    for (int t = 0; t < n; ++t) {
+      fibers_[t].done = false;
+      fibers_[t].parity = 0;
+      fibers_[t].index = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+    }
+    int live = n;
+    while (live > 0) {
+      const std::uint64_t before = progress;
+      const int live_before = live;
+      for (int t = 0; t < n; ++t) {
+        Fiber& f = fibers_[t];
+        if (f.done) continue;
+        current_ = t;
+        linear_tid = t;
+        threadIdx = f.index;
+        shuffle_parity = f.parity;
+        scheduler_.switch_to(f.context);
+        f.parity = shuffle_parity;
+        live -= f.done;
+      }
+      if (live > 0 && live == live_before && progress == before) {
+        discard();  // the stuck fibers' stacks cannot be resumed for another CTA
+        throw std::logic_error("cuda_cpu_shim: deadlock, threads wait at different barriers");
+      }
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  void yield() {
+    Fiber& f = fibers_[current_];
+    f.context.switch_to(scheduler_);
+  }
+
+  static Executor& local() {
+    thread_local Executor executor;
+    return executor;
+  }
+
+ private:
+  struct Fiber {
+    Context context;
+    char* stack = nullptr;
+    dim3 index;
+    int parity = 0;
+    bool done = true;
+  };
+
+  [[noreturn]] static void entry() {
+    Executor& self = local();
+    for (;;) {
+      try {
+        (*self.body_)();
+      } catch (...) {
+        if (!self.error_) self.error_ = std::current_exception();
+      }
+      self.cta_.warps[linear_tid / 32].drop();
+      self.cta_.all.drop();
+      Fiber& f = self.fibers_[self.current_];
+      f.done = true;
+      f.context.switch_to(self.scheduler_);  // resumed for the next CTA: run the body again
+    }
+  }
+
+  void add_fiber() {
+    const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    void* mem = mmap(nullptr, kStackSize + page, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) throw std::runtime_error("cuda_cpu_shim: no memory for a fiber stack");
+    mprotect(mem, page, PROT_NONE);  // guard page: an overflow faults instead of corrupting
+    fibers_.emplace_back();
+    Fiber& f = fibers_.back();
+    f.stack = static_cast<char*>(mem);
+    f.context.start(f.stack + page, kStackSize, &Executor::entry);
+  }
+
+  void discard() {
+    const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    for (Fiber& f : fibers_) munmap(f.stack, kStackSize + page);
+    fibers_.clear();
+  }
+
+  std::vector<Fiber> fibers_;
+  Context scheduler_;
+  Cta cta_;
+  int current_ = 0;
+  const std::function<void()>* body_ = nullptr;
+  std::exception_ptr error_;
+};
+
+inline void yield() { Executor::local().yield(); }
+
+// ---- the pool that spreads a grid's CTAs over OS threads ---------------------------------------
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool pool;
+    return pool;
+  }
+
+  // Calls cta(i) for i in [0, total), on the caller and the pool's threads; rethrows the first
+  // exception after every participant has stopped.
+  void run(long long total, const std::function<void(long long)>& cta) {
+    std::lock_guard<std::mutex> one_launch_at_a_time(launch_mutex_);
+    const int helpers = std::min<long long>(num_helpers_, total - 1);
+    if (helpers <= 0) {
+      for (long long i = 0; i < total; ++i) cta(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = &cta;
+      total_ = total;
+      next_.store(0);
+      error_ = nullptr;
+      active_ = helpers;
+      wanted_ = helpers;
+      ++generation_;
+      while (static_cast<int>(threads_.size()) < helpers) {
+        threads_.emplace_back([this, id = static_cast<int>(threads_.size())] { serve(id); });
+      }
+    }
+    start_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lock(mutex_);
+    finished_.wait(lock, [this] { return active_ == 0; });
+    job_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  void set_num_threads(int n) {
+    std::lock_guard<std::mutex> lock(launch_mutex_);
+    num_helpers_ = std::max(0, n - 1);
+  }
+
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    start_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  Pool() : num_helpers_(std::max(1u, std::thread::hardware_concurrency()) - 1) {}
+
+  void work() {
+    for (long long i; (i = next_.fetch_add(1)) < total_;) {
+      try {
+        (*job_)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+        next_.store(total_);  // hand out no more CTAs
+      }
+    }
+  }
+
+  void serve(int id) {
+    unsigned long long seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        start_.wait(lock, [&] { return stopping_ || (generation_ != seen && id < wanted_); });
+        if (stopping_) return;
+        seen = generation_;
+      }
+      work();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--active_ == 0) finished_.notify_one();
+    }
+  }
+
+  std::mutex launch_mutex_, mutex_;
+  std::condition_variable start_, finished_;
+  std::vector<std::thread> threads_;
+  const std::function<void(long long)>* job_ = nullptr;
+  long long total_ = 0;
+  std::atomic<long long> next_{0};
+  std::exception_ptr error_;
+  int num_helpers_;
+  int active_ = 0, wanted_ = 0;
+  unsigned long long generation_ = 0;
+  bool stopping_ = false;
+};
+
+// Runs kernel over grid x block. Exceptions thrown by CUDA threads are rethrown here.
+template <typename... Params, typename... Args>
+void launch(dim3 grid, dim3 block, void (*kernel)(Params...), Args... args) {
+  const std::function<void()> body = [&] { kernel(args...); };
+  const long long per_plane = static_cast<long long>(grid.x) * grid.y;
+  Pool::get().run(per_plane * grid.z, [&](long long i) {
+    const dim3 index(static_cast<unsigned int>(i % grid.x),
+                     static_cast<unsigned int>(i / grid.x % grid.y),
+                     static_cast<unsigned int>(i / per_plane));
+    Executor::local().run(grid, block, index, body);
+  });
+}
+
+}  // namespace cuda_shim
