@@ -34,7 +34,8 @@ BASE_FLAGS = ("-std=c++20", "-pthread", "-fno-strict-aliasing", "-Wall", "-Wextr
               "-Wno-unknown-pragmas", "-Wno-unused-parameter")
 ENGINE_FLAGS = ("-O2",)
 # Each parameter travels in an 8-byte slot (kernels_glue.cpp reads its first `size` bytes).
-_SLOT: dict[type, tuple[str, int]] = {np.uint64: ("Q", 8), np.int64: ("q", 8), np.int32: ("i4x", 4), np.float32: ("f4x", 4)}
+_SLOT: dict[type, tuple[str, int]] = {
+    np.uint64: ("Q", 8), np.int64: ("q", 8), np.int32: ("i4x", 4), np.float32: ("f4x", 4)}
 
 
 def cache_root() -> Path:
