@@ -2,9 +2,8 @@
 // on one OS thread, and a grid's CTAs are spread over a pool of OS threads.
 //
 // A fiber runs until it waits at a barrier (__syncthreads, a shuffle's warp barrier) and then
-// hands control back to its CTA's scheduler, which resumes the CTA's fibers round-robin. So a
-// barrier costs two stack switches per thread, not an OS context switch, and a launch starts no
-// thread. Fibers and their stacks persist per OS thread and are reused by every CTA it runs.
+// switches to the next live fiber of its CTA, round-robin in thread order. So a barrier costs
+// one stack switch per thread, not an OS context switch, and a launch starts no thread. Fibers and their stacks persist per OS thread and are reused by every CTA it runs.
 // A round in which no fiber arrives anywhere or exits is a deadlock (a kernel with threads at
 // different barriers) and raises std::logic_error, as a hang on a GPU would be a bug.
 #pragma once
@@ -85,7 +84,7 @@ struct Context {
 
 // ---- barriers and the CTA ---------------------------------------------------------------------
 void yield();
-inline thread_local std::uint64_t progress = 0;  // arrivals and exits, for deadlock detection
+GENQ_SHIM_TLS std::uint64_t progress = 0;  // arrivals and exits, for deadlock detection
 
 struct Barrier {
   int expected = 0, arrived = 0;
@@ -126,7 +125,7 @@ struct Cta {
   std::vector<Barrier> warps;
 };
 
-inline thread_local Cta* current_cta = nullptr;
+GENQ_SHIM_TLS Cta* current_cta = nullptr;
 
 // ---- one OS thread's fibers --------------------------------------------------------------------
 class Executor {
@@ -142,41 +141,44 @@ class Executor {
     cta_.reset(n);
     body_ = &body;
     error_ = nullptr;
+    deadlocked_ = false;
     current_cta = &cta_;
     blockIdx = index;
     blockDim = block;
     gridDim = grid;
-    for (int t = 0; t < n; ++t) {
-      fibers_[t].done = false;
-      fibers_[t].parity = 0;
-      fibers_[t].index = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+    for (int t = 0; t < n; ++t) {  // the live fibers form a ring in thread order
+      Fiber& f = fibers_[t];
+      f.done = false;
+      f.parity = 0;
+      f.index = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+      f.next = (t + 1) % n;
+      f.prev = (t + n - 1) % n;
     }
-    int live = n;
-    while (live > 0) {
-      const std::uint64_t before = progress;
-      const int live_before = live;
-      for (int t = 0; t < n; ++t) {
-        Fiber& f = fibers_[t];
-        if (f.done) continue;
-        current_ = t;
-        linear_tid = t;
-        threadIdx = f.index;
-        shuffle_parity = f.parity;
-        scheduler_.switch_to(f.context);
-        f.parity = shuffle_parity;
-        live -= f.done;
-      }
-      if (live > 0 && live == live_before && progress == before) {
-        discard();  // the stuck fibers' stacks cannot be resumed for another CTA
-        throw std::logic_error("cuda_cpu_shim: deadlock, threads wait at different barriers");
-      }
+    live_ = n;
+    round_mark_ = progress;
+    enter(0);
+    scheduler_.switch_to(fibers_[0].context);  // back when every fiber exited, or on deadlock
+    if (deadlocked_) {
+      discard();  // the stuck fibers' stacks cannot be resumed for another CTA
+      throw std::logic_error("cuda_cpu_shim: deadlock, threads wait at different barriers");
     }
     if (error_) std::rethrow_exception(error_);
   }
 
+  // A fiber that waits hands over to the next live fiber. A whole round of the ring in which no
+  // fiber arrived anywhere or exited is a deadlock.
   void yield() {
     Fiber& f = fibers_[current_];
-    f.context.switch_to(scheduler_);
+    if (f.next <= current_) {
+      if (progress == round_mark_) {
+        deadlocked_ = true;
+        f.context.switch_to(scheduler_);
+      }
+      round_mark_ = progress;
+    }
+    f.parity = shuffle_parity;
+    enter(f.next);
+    f.context.switch_to(fibers_[f.next].context);
   }
 
   static Executor& local() {
@@ -190,8 +192,17 @@ class Executor {
     char* stack = nullptr;
     dim3 index;
     int parity = 0;
+    int next = 0, prev = 0;  // the ring of live fibers
     bool done = true;
   };
+
+  // Makes fiber t current: the thread-local state its CUDA thread reads.
+  void enter(int t) {
+    current_ = t;
+    linear_tid = t;
+    threadIdx = fibers_[t].index;
+    shuffle_parity = fibers_[t].parity;
+  }
 
   [[noreturn]] static void entry() {
     Executor& self = local();
@@ -203,12 +214,20 @@ class Executor {
       }
       self.cta_.warps[linear_tid / 32].drop();
       self.cta_.all.drop();
-      Fiber& f = self.fibers_[self.current_];
+      const int t = self.current_;
+      Fiber& f = self.fibers_[t];
       f.done = true;
-      f.context.switch_to(self.scheduler_);  // resumed for the next CTA: run the body again
+      self.fibers_[f.prev].next = f.next;
+      self.fibers_[f.next].prev = f.prev;
+      if (--self.live_ == 0) {
+        f.context.switch_to(self.scheduler_);
+      } else {
+        self.enter(f.next);
+        f.context.switch_to(self.fibers_[f.next].context);
+      }
+      // Resumed for the next CTA: run the body again.
     }
   }
-
   void add_fiber() {
     const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
     void* mem = mmap(nullptr, kStackSize + page, PROT_READ | PROT_WRITE,
@@ -230,7 +249,9 @@ class Executor {
   std::vector<Fiber> fibers_;
   Context scheduler_;
   Cta cta_;
-  int current_ = 0;
+  int current_ = 0, live_ = 0;
+  std::uint64_t round_mark_ = 0;
+  bool deadlocked_ = false;
   const std::function<void()>* body_ = nullptr;
   std::exception_ptr error_;
 };

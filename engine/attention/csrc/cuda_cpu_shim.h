@@ -38,11 +38,14 @@ struct alignas(16) uint4 {
 };
 
 // Per OS thread. Fibers do not migrate between OS threads, and the fiber scheduler sets
-// threadIdx (and the shim's per-thread state below) before it resumes each fiber.
-inline thread_local dim3 threadIdx;
-inline thread_local dim3 blockIdx;
-inline thread_local dim3 blockDim;
-inline thread_local dim3 gridDim;
+// threadIdx (and the shim's per-thread state below) before it resumes each fiber. Internal
+// linkage (the header is included once per binary): a shared library then reaches them all
+// through one TLS block address per function instead of a __tls_get_addr call per variable.
+#define GENQ_SHIM_TLS static thread_local
+GENQ_SHIM_TLS dim3 threadIdx;
+GENQ_SHIM_TLS dim3 blockIdx;
+GENQ_SHIM_TLS dim3 blockDim;
+GENQ_SHIM_TLS dim3 gridDim;
 constexpr int warpSize = 32;
 
 inline float __uint_as_float(unsigned int u) { return std::bit_cast<float>(u); }
@@ -51,8 +54,8 @@ inline unsigned int __float_as_uint(float f) { return std::bit_cast<unsigned int
 inline int __float_as_int(float f) { return std::bit_cast<int>(f); }
 
 namespace cuda_shim {
-inline thread_local int linear_tid = 0;
-inline thread_local int shuffle_parity = 0;
+GENQ_SHIM_TLS int linear_tid = 0;
+GENQ_SHIM_TLS int shuffle_parity = 0;
 }  // namespace cuda_shim
 
 #if defined(GENQ_SHIM_THREADS)
@@ -115,6 +118,7 @@ T __shfl_xor_sync(unsigned int mask, T value, int lane_mask, int width = 32) {
   cuda_shim::check_mask(mask);
   return cuda_shim::shuffle(value, [&](int lane) {
     const int src = lane ^ lane_mask;
+    if (width == 32) return src;  // (no division on the path every reduction takes)
     return src / width == lane / width ? src : lane;
   });
 }

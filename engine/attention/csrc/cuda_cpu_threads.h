@@ -29,7 +29,7 @@ struct Cta {
   std::vector<std::unique_ptr<std::barrier<>>> warps;
 };
 
-inline thread_local Cta* current_cta = nullptr;
+GENQ_SHIM_TLS Cta* current_cta = nullptr;
 
 // Runs kernel over grid x block, CTA by CTA. Exceptions thrown by threads are rethrown here.
 template <typename... Params, typename... Args>
