@@ -32,7 +32,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 CXX = os.environ.get("CXX", "g++")
 BASE_FLAGS = ("-std=c++20", "-pthread", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Werror",
               "-Wno-unknown-pragmas", "-Wno-unused-parameter")
-ENGINE_FLAGS = ("-O2",)
+ENGINE_FLAGS = ("-O1",)  # a correctness tool: compile time counts more than speed
 # Each parameter travels in an 8-byte slot (kernels_glue.cpp reads its first `size` bytes).
 _SLOT: dict[type, tuple[str, int]] = {
     np.uint64: ("Q", 8), np.int64: ("q", 8), np.int32: ("i4x", 4), np.float32: ("f4x", 4)}
@@ -70,8 +70,8 @@ def build(source: Path, output_name: str, flags: Sequence[str], cuda_dir: Path |
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [CXX, *BASE_FLAGS, *flags, f"-I{cuda_dir}", f"-I{CSRC}", str(source)]
-    if shared:
-        cmd += ["-fPIC", "-shared"]
+    if shared:  # (hidden: see kernels_glue.cpp)
+        cmd += ["-fPIC", "-shared", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
     with tempfile.NamedTemporaryFile(dir=out_dir, delete=False) as tmp:
         pass
     result = subprocess.run([*cmd, "-o", tmp.name], capture_output=True, text=True)

@@ -4,8 +4,10 @@ self-test and ThreadSanitizer binaries of tests/kernels/shim."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
+from engine import kernels
 from engine.attention.cuda_shim import CSRC, ShimLauncher, ShimLibrary, build
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
@@ -19,4 +21,29 @@ def all_variants_launcher() -> ShimLauncher:
                                           ("-O1",))))
 
 
-__all__ = ["SHIM_DIR", "TSAN_FLAGS", "ShimLauncher", "build", "all_variants_launcher"]
+__all__ = ["SHIM_DIR", "TSAN_FLAGS", "CountingLauncher", "ShimLauncher", "all_variants_launcher",
+           "build"]
+
+
+class CountingLauncher:
+    """A kernels.Launcher over another that counts planned kernel lookups (`function` calls) and
+    launches, per kernel (its name without namespace and template arguments)."""
+
+    def __init__(self, inner: kernels.Launcher) -> None:
+        self.inner = inner
+        self.planned: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()
+        self.grids: list[tuple[str, kernels.Dim3]] = []
+
+    def function(self, kernel: str, variant: kernels.Variant) -> kernels.KernelFn:
+        fn = self.inner.function(kernel, variant)
+        name = kernel.split("<")[0].removeprefix("genq::")
+        self.planned[name] += 1
+
+        def launch(grid: kernels.Dim3, block: kernels.Dim3,
+                   params: tuple[kernels.Param, ...]) -> None:
+            self.counts[name] += 1
+            self.grids.append((name, grid))
+            fn(grid, block, params)
+
+        return launch

@@ -97,14 +97,20 @@ const Entry* find(const char* name) {
 
 }  // namespace
 
+// Shim libraries are built with -fvisibility=hidden: the engine loads one per variant into one
+// process, and each must keep its own executor and thread-locals (the dynamic linker would
+// otherwise bind every library's inline functions to the first library's). Only these C entry
+// points are exported.
+#define GENQ_EXPORT __attribute__((visibility("default")))
+
 extern "C" {
 
-int genq_has_kernel(const char* name) { return find(name) != nullptr; }
+GENQ_EXPORT int genq_has_kernel(const char* name) { return find(name) != nullptr; }
 
 // Launches kernel `name` like cuLaunchKernel: 0 on success, -1 for a kernel this build lacks, -2
 // when a kernel thread threw, -3 for a parameter list that does not match the kernel's. Parameter i
 // is sizes[i] bytes at the start of the 8-byte slot packed + 8 * i (little-endian).
-int genq_launch(const char* name, unsigned int gx, unsigned int gy, unsigned int gz,
+GENQ_EXPORT int genq_launch(const char* name, unsigned int gx, unsigned int gy, unsigned int gz,
                 unsigned int bx, unsigned int by, unsigned int bz, const unsigned char* packed,
                 const int* sizes, int num_params) {
   const Entry* e = find(name);
@@ -119,7 +125,7 @@ int genq_launch(const char* name, unsigned int gx, unsigned int gy, unsigned int
 }
 
 // OS threads that run a launch's CTAs (the caller included); ignored by the TSan build.
-void genq_set_num_threads(int n) {
+GENQ_EXPORT void genq_set_num_threads(int n) {
 #if !defined(GENQ_SHIM_THREADS)
   cuda_shim::Pool::get().set_num_threads(n);
 #else
@@ -128,16 +134,16 @@ void genq_set_num_threads(int n) {
 }
 
 // The device-side conversions of cuda/genq_common.cuh, element by element (portable twins).
-void genq_half_to_float(const unsigned short* in, float* out, long long n) {
+GENQ_EXPORT void genq_half_to_float(const unsigned short* in, float* out, long long n) {
   for (long long i = 0; i < n; ++i) out[i] = genq::half_bits_to_float(in[i]);
 }
-void genq_float_to_half(const float* in, unsigned short* out, long long n) {
+GENQ_EXPORT void genq_float_to_half(const float* in, unsigned short* out, long long n) {
   for (long long i = 0; i < n; ++i) out[i] = genq::float_to_half_bits(in[i]);
 }
-void genq_bf16_to_float(const unsigned short* in, float* out, long long n) {
+GENQ_EXPORT void genq_bf16_to_float(const unsigned short* in, float* out, long long n) {
   for (long long i = 0; i < n; ++i) out[i] = genq::bf16_bits_to_float(in[i]);
 }
-void genq_float_to_bf16(const float* in, unsigned short* out, long long n) {
+GENQ_EXPORT void genq_float_to_bf16(const float* in, unsigned short* out, long long n) {
   for (long long i = 0; i < n; ++i) out[i] = genq::float_to_bf16_bits(in[i]);
 }
 
