@@ -165,8 +165,9 @@ def _runs(seqs: Sequence[int]) -> list[tuple[int, int]]:
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[tokens, heads, head_size] with contiguous heads and 16-byte aligned rows."""
-    aligned = t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-    if t.stride(2) == 1 and t.stride(1) == t.shape[2] and aligned:
+    row_stride, head_stride, element_stride = t.stride()
+    if element_stride == 1 and head_stride == t.size(2) and (
+            t.data_ptr() | row_stride * t.element_size()) % 16 == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 

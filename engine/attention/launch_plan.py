@@ -10,7 +10,6 @@ addresses; every layer then writes its own addresses there and launches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +35,9 @@ class LayerLaunches:
     def __init__(self, launches: list[kernels.Launch], layer: LayerTensors,
                  launcher: kernels.Launcher) -> None:
         self.launches = launches  # keeps the step's tensors that the launches point at alive
-        self._signature = _signature(layer)
+        # What the marshalled parameters assume of every layer's tensors. (Not the device: a
+        # layer's tensors stay on the device of the cache they attend to.)
+        self._expected = [(t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in layer]
         bases = {t.data_ptr(): j for j, t in enumerate(layer) if t.numel()}
         assert len(bases) == sum(1 for t in layer if t.numel()), "layer tensors share an address"
         spans = [_span(t) for t in layer if t.numel()]
@@ -56,19 +57,19 @@ class LayerLaunches:
 
     def launch(self, layer: LayerTensors) -> None:
         """Runs the planned launches on this layer's tensors (shaped like the first layer's)."""
-        if _signature(layer) != self._signature:
-            raise ValueError("a layer's attention tensors differ in shape, strides, dtype or "
-                             "alignment from the step's first layer")
-        ptrs = [np.uint64(t.data_ptr() if t.numel() else 0) for t in layer]
+        ptrs = []
+        for t, (shape, stride, dtype, alignment) in zip(layer, self._expected):
+            address = t.data_ptr()
+            if (t.shape != shape or t.stride() != stride or t.dtype != dtype
+                    or address % 16 != alignment):
+                raise ValueError("a layer's attention tensors differ in shape, strides, dtype or "
+                                 "alignment from the step's first layer")
+            ptrs.append(np.uint64(address))  # (an empty tensor is never a hole)
         for p in self._prepared:
             params = p.params
             for i, j in p.holes:
                 params[i] = ptrs[j]
             p.fn(p.grid, p.block, tuple(params))
-
-
-def _signature(layer: Sequence[torch.Tensor]) -> tuple[object, ...]:
-    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in layer)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
