@@ -174,3 +174,20 @@ def test_bf16_log_probabilities_stay_close_to_the_torch_backend(gqa64: Path) -> 
             common = got.keys() & want.keys()
             assert len(common) >= 4  # the same top tokens, give or take a near-tie at rank 5
             assert max(abs(got[t] - want[t]) for t in common) <= BF16_LOGPROB_TOL
+
+
+def test_worker_flag_and_config_name_the_backend_and_refuse_what_cannot_run() -> None:
+    from engine import EngineConfig
+    from engine.attention.selector import select_backend
+    from worker.main import build_parser
+
+    args = build_parser().parse_args(["--model", "m", "--attention-backend", "cuda-shim"])
+    assert args.attention_backend == "cuda-shim"
+    assert build_parser().parse_args(["--model", "m"]).attention_backend is None
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(model="m", attention_backend="shim")
+    config = EngineConfig(model="m", attention_backend="cuda-shim")
+    with pytest.raises(ValueError, match="use device='cpu'"):
+        select_backend(config, torch.device("cuda"), 64)
+    with pytest.raises(ValueError, match="head sizes"):  # no kernel variant for head size 72
+        select_backend(config, torch.device("cpu"), 72)
