@@ -179,4 +179,7 @@ def _pairs(src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor,
     if s.shape != d.shape or s.dim() != 1:
         raise ValueError(f"src and dst block ids must be two 1-d lists of one length, got "
                          f"{tuple(s.shape)} and {tuple(d.shape)}")
-    return torch.stack([s, d], dim=1).to(device)
+    pairs = torch.stack([s, d], dim=1)
+    if pairs.device.type == "cpu" and device.type == "cuda":  # (no host sync: pinned, async)
+        return pairs.pin_memory().to(device, non_blocking=True)
+    return pairs.to(device)

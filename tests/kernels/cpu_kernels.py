@@ -12,13 +12,13 @@ from engine.attention.cuda_shim import CSRC, ShimLauncher, ShimLibrary, build
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
 # The ThreadSanitizer builds run each CUDA thread as an OS thread (cuda_cpu_threads.h).
-TSAN_FLAGS = ("-O1", "-g", "-fsanitize=thread", "-DGENQ_SHIM_THREADS")
+TSAN_FLAGS = ("-Werror", "-O1", "-g", "-fsanitize=thread", "-DGENQ_SHIM_THREADS")
 
 
 def all_variants_launcher() -> ShimLauncher:
     """kernels_glue.cpp with its default variant list (every dtype, head size and block size)."""
     return ShimLauncher(ShimLibrary(build(CSRC / "kernels_glue.cpp", "libgenq_kernels.so",
-                                          ("-O1",))))
+                                          ("-Werror", "-O1"))))
 
 
 __all__ = ["SHIM_DIR", "TSAN_FLAGS", "CountingLauncher", "ShimLauncher", "all_variants_launcher",

@@ -13,7 +13,8 @@ import pytest
 from tests.kernels.cpu_kernels import SHIM_DIR, TSAN_FLAGS, build
 
 
-@pytest.mark.parametrize("flags", [("-O1",), ("-O1", "-DGENQ_SHIM_THREADS"), TSAN_FLAGS],
+@pytest.mark.parametrize("flags", [("-Werror", "-O1"), ("-Werror", "-O1", "-DGENQ_SHIM_THREADS"),
+                                   TSAN_FLAGS],
                          ids=["fibers", "threads", "tsan"])
 def test_shim_follows_cuda_semantics(flags: tuple[str, ...]) -> None:
     binary = build(SHIM_DIR / "shim_selftest.cpp", "shim_selftest", flags, shared=False)
