@@ -29,7 +29,9 @@ MAX_GRID_YZ = 65535
 MIN_DECODE_CTAS = 512  # grouping query heads per CTA only while the grid still fills a big GPU
 
 KernelArg = torch.Tensor | np.int32 | np.int64 | np.float32
-Param = np.uint64 | np.int32 | np.int64 | np.float32  # a marshalled argument: pointers are uint64
+# A marshalled argument: a pointer is a uint64, or a plain int (8 bytes; what a layer's replay
+# writes, being several times cheaper to make than a numpy scalar); scalars keep their size.
+Param = np.uint64 | int | np.int32 | np.int64 | np.float32
 Variant = tuple[torch.dtype, int, int]  # (dtype, head size, block size): one compiled module
 Dim3 = tuple[int, int, int]
 KernelFn = Callable[[Dim3, Dim3, tuple[Param, ...]], None]  # (grid, block, params): one launch

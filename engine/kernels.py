@@ -93,10 +93,11 @@ class Launcher(Protocol):
 
 
 def marshal(args: tuple[KernelArg, ...]) -> tuple[Param, ...]:
-    """A launch's arguments as cuLaunchKernel takes them: each tensor as its raw pointer (0 when
-    empty), each sized scalar as it is. Host memory next to device memory in one launch must be
-    pinned: cudaHostAlloc memory is mapped at the same address on the device (unified
-    addressing), so the kernel reads and writes it in place."""
+    """A launch's arguments as cuLaunchKernel takes them: each tensor as its raw pointer (uint64,
+    0 when empty), each sized scalar as it is. Host memory next to device memory in one launch
+    must be pinned: cudaHostAlloc memory is mapped at the same address on the device (unified
+    addressing), so the kernel reads and writes it in place. (CuPy passes a plain int as 8
+    bytes, so a launcher may also meet pointers as ints: see kernel_plans.Param.)"""
     on_device = any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args)
     params: list[Param] = []
     for a in args:

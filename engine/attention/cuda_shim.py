@@ -36,7 +36,8 @@ BASE_FLAGS = ("-std=c++20", "-pthread", "-fno-strict-aliasing", "-Wall", "-Wextr
 ENGINE_FLAGS = ("-O1",)  # a correctness tool: compile time counts more than speed
 # Each parameter travels in an 8-byte slot (kernels_glue.cpp reads its first `size` bytes).
 _SLOT: dict[type, tuple[str, int]] = {
-    np.uint64: ("Q", 8), np.int64: ("q", 8), np.int32: ("i4x", 4), np.float32: ("f4x", 4)}
+    np.uint64: ("Q", 8), int: ("Q", 8), np.int64: ("q", 8), np.int32: ("i4x", 4),
+    np.float32: ("f4x", 4)}
 
 
 def cache_root() -> Path:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine import kernels
@@ -64,7 +63,7 @@ class LayerLaunches:
                     or address % 16 != alignment):
                 raise ValueError("a layer's attention tensors differ in shape, strides, dtype or "
                                  "alignment from the step's first layer")
-            ptrs.append(np.uint64(address))  # (an empty tensor is never a hole)
+            ptrs.append(address)  # (an empty tensor is never a hole)
         for p in self._prepared:
             params = p.params
             for i, j in p.holes:
