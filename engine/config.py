@@ -9,6 +9,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 OUTPUT_KINDS = ("cumulative", "delta")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("torch", "cupy", "cuda-shim")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class EngineConfig:
     artificial_preemption_prob: float = 0.0
     artificial_preemption_seed: int = 0
     artificial_preemption_max: int = 500
-    attention_backend: str | None = None  # "torch" | "cupy"; None picks by device
+    # "torch" | "cupy" | "cuda-shim" (the CUDA kernels on the CPU); None picks by device.
+    attention_backend: str | None = None
     num_threads: int | None = None  # torch intra-op threads on the CPU
     # Every step's outputs carry the text so far (streaming). Off: text is decoded once at the
     # end (requests with stop strings still decode as they go); the offline LLM turns it off.
@@ -92,8 +94,8 @@ class EngineConfig:
                              f"got {self.artificial_preemption_prob}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
-        if self.attention_backend not in (None, "torch", "cupy"):
-            raise ValueError("attention_backend must be 'torch' or 'cupy', "
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
 
     @property

@@ -3,7 +3,8 @@
 Inputs are built per sequence, never per token in Python: token slices, and position and slot
 ranges (one per block) that C-level iteration expands. Every step's inputs are host lists turned
 into one int64 and one int32 tensor; a step of decodes only (one token per sequence) needs no
-ranges at all.
+ranges at all. On CUDA they go up from pinned memory without blocking the host, so the host
+queues the whole forward pass and the step's one sync is the sampler reading the sampled ids.
 """
 
 from __future__ import annotations
@@ -73,9 +74,8 @@ class ModelRunner:
         cu_q = list(accumulate(q_lens, initial=0))
         n, num_tokens = len(batch), cu_q[-1]
         sample_rows = [c - 1 for c, s in zip(cu_q[1:], batch) if s.do_sample]
-        dev = self.device
-        longs = _int_tensor(tokens + positions + slots + sample_rows, torch.int64).to(dev)
-        ints = _int_tensor(cu_q + seq_lens + flat_tables, torch.int32).to(dev)
+        longs = self._upload(_int_tensor(tokens + positions + slots + sample_rows, torch.int64))
+        ints = self._upload(_int_tensor(cu_q + seq_lens + flat_tables, torch.int32))
         input_ids, positions_t, slot_mapping = longs[:3 * num_tokens].view(3, num_tokens)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=ints[:n + 1],
@@ -93,9 +93,8 @@ class ModelRunner:
         tokens = [s.seq.token_ids[p] for s, p in zip(batch, starts)]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
         seq_lens = [p + 1 for p in starts]
-        longs = _int_tensor(tokens + starts + slots, torch.int64).to(self.device)
-        ints = _int_tensor(list(range(n + 1)) + seq_lens + flat_tables,
-                           torch.int32).to(self.device)
+        longs = self._upload(_int_tensor(tokens + starts + slots, torch.int64))
+        ints = self._upload(_int_tensor(list(range(n + 1)) + seq_lens + flat_tables, torch.int32))
         input_ids, positions, slot_mapping = longs.view(3, n)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=ints[:n + 1],
@@ -105,8 +104,14 @@ class ModelRunner:
         if all(s.do_sample for s in batch):
             return input_ids, positions, meta, None
         rows = [i for i, s in enumerate(batch) if s.do_sample]
-        return input_ids, positions, meta, torch.tensor(rows, dtype=torch.int64,
-                                                        device=self.device)
+        return input_ids, positions, meta, self._upload(_int_tensor(rows, torch.int64))
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A step input on the model's device: on CUDA a non-blocking copy from pinned memory
+        (the caching host allocator reuses the pinned block only after the copy has run)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> Iterable[int]:

@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the producer that sample always carry one; default: %(default)s)")
     e.add_argument("--num-threads", type=int, default=None,
                    help="torch threads on the CPU (default: torch's, one per core)")
+    e.add_argument("--attention-backend", default=None, choices=["torch", "cupy", "cuda-shim"],
+                   help="torch; cupy (genq's CUDA kernels on a GPU); cuda-shim (the same kernels "
+                        "on the CPU, for checks; slow) (default: cupy on a GPU when it can "
+                        "serve the model, else torch)")
     r = p.add_argument_group("reliability")
     r.add_argument("--heartbeat-ttl", type=float, default=10.0,
                    help="seconds without a heartbeat before other workers may reclaim this "
@@ -191,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
             scheduling_policy=args.scheduling_policy,
             swap_space=args.swap_space, seed=args.seed, num_threads=args.num_threads,
-            output_kind="delta", enable_prefix_caching=EngineConfig.enable_prefix_caching
+            output_kind="delta", attention_backend=args.attention_backend,
+            enable_prefix_caching=EngineConfig.enable_prefix_caching
             if args.enable_prefix_caching is None else args.enable_prefix_caching)
         check_device(args.device)
     except ValueError as exc:

@@ -53,9 +53,9 @@ class AttentionMetadata:
                 if seqs[-1] - seqs[0] == len(seqs) - 1:  # consecutive prompts: one run of rows
                     plan.fresh_rows[length] = slice(first, first + length * len(seqs))
                 else:  # each prompt's rows, prompts in order: [seqs, length] flattened
-                    plan.fresh_rows[length] = (
-                        torch.tensor([starts[i] for i in seqs])[:, None] + torch.arange(length)
-                    ).view(-1).to(self.slot_mapping.device)
+                    rows = (torch.tensor([starts[i] for i in seqs])[:, None]
+                            + torch.arange(length)).view(-1)
+                    plan.fresh_rows[length] = _to_device(rows, self.slot_mapping.device)
             self._prefills = plan
         return self._prefills
 
@@ -67,6 +67,14 @@ class PrefillPlan:
     fresh: dict[int, list[int]]  # length -> whole prompts of that length (no cached context)
     # Their query rows: a slice when the prompts are consecutive in the batch (no gather).
     fresh_rows: dict[int, torch.Tensor | slice] = field(default_factory=dict)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """On CUDA a non-blocking copy from pinned memory: the step's host work never waits for the
+    device (its one sync is the sampler reading the sampled ids)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class AttentionBackend(ABC):

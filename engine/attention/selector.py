@@ -1,5 +1,6 @@
 """Which attention backend an engine runs: our CUDA kernels (CuPy) on a CUDA device when they
-can serve the cache, plain torch otherwise."""
+can serve the cache, plain torch otherwise; "cuda-shim" runs the same kernels, through the same
+backend, on the CPU."""
 
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def select_backend(config: EngineConfig, device: torch.device, head_dim: int,
                                config.block_size)
             else:
                 name = "cupy"
+    if name == "cuda-shim":
+        from engine import kernels
+
+        if device.type != "cpu":
+            raise ValueError("attention_backend='cuda-shim' runs the CUDA kernels on the CPU: "
+                             "use device='cpu' (or attention_backend='cupy' on a GPU)")
+        kernels.check_variant(DTYPES[config.dtype], head_dim, config.block_size)
+        from engine.attention.cuda_shim import ShimLauncher
+        from engine.attention.cupy_backend import CupyAttentionBackend
+
+        return CupyAttentionBackend(ShimLauncher())
     if name == "cupy":
         if device.type != "cuda":
             raise ValueError("attention_backend='cupy' needs a CUDA device")

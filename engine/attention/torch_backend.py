@@ -66,25 +66,9 @@ class TorchAttentionBackend(AttentionBackend):
         if batched:
             assert key is not None and value is not None
             for length, rows in plan.fresh_rows.items():
-                out[rows] = self._fresh(query[rows], key[rows], value[rows],
-                                        len(plan.fresh[length]), scale)
+                out[rows] = fresh_prompts_attention(query[rows], key[rows], value[rows],
+                                                  len(plan.fresh[length]), scale)
         return out
-
-    @staticmethod
-    def _fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: int,
-               scale: float) -> torch.Tensor:
-        """`batch` whole prompts of one length, rows concatenated: causal attention over their
-        own keys, one SDPA call."""
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        num_kv_heads = key.shape[1]
-
-        def split(x: torch.Tensor) -> torch.Tensor:  # [batch, heads, length, head_dim]
-            return x.view(batch, -1, x.shape[1], head_dim).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(split(query), split(key), split(value),
-                                             is_causal=True, scale=scale,
-                                             enable_gqa=num_heads != num_kv_heads)
-        return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
 
     @staticmethod
     def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -123,6 +107,22 @@ class TorchAttentionBackend(AttentionBackend):
 
     def copy_blocks(self, cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         cache[:, :, dst] = cache[:, :, src]
+
+
+def fresh_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            batch: int, scale: float) -> torch.Tensor:
+    """`batch` whole prompts of one length, rows concatenated: causal attention over their own
+    keys, one SDPA call (a tensor-core flash kernel on CUDA)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key.shape[1]
+
+    def split(x: torch.Tensor) -> torch.Tensor:  # [batch, heads, length, head_dim]
+        return x.view(batch, -1, x.shape[1], head_dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(split(query), split(key), split(value),
+                                         is_causal=True, scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)
+    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
 
 
 def _buckets(lengths: list[int]) -> list[tuple[int, int]]:

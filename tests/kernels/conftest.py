@@ -7,13 +7,13 @@ import pytest
 
 from engine import kernels
 from tests.kernels import toolchain
-from tests.kernels.cpu_kernels import SHIM_DIR, CpuKernels, build
+from tests.kernels.cpu_kernels import ShimLauncher, all_variants_launcher
 
 
 @pytest.fixture(scope="session")
-def cpu_kernels() -> CpuKernels:
+def cpu_kernels() -> ShimLauncher:
     """The unchanged cuda/ sources, compiled with g++ against the CPU shim."""
-    return CpuKernels(build(SHIM_DIR / "kernels_glue.cpp", "libgenq_kernels.so", ("-O1",)))
+    return all_variants_launcher()
 
 
 @pytest.fixture(scope="session")

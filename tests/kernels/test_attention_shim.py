@@ -13,7 +13,7 @@ from engine import kernels
 from engine.attention.cupy_backend import CupyAttentionBackend
 from tests.kernels import reference
 from tests.kernels.cases import Case, make_case, max_rel_err
-from tests.kernels.cpu_kernels import CpuKernels
+from tests.kernels.cpu_kernels import ShimLauncher
 
 # (dtype, head size, block size) of the shim build: every dtype, head size and block size.
 VARIANTS = [
@@ -41,7 +41,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
         assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
 
 
-def run_decode(cpu_kernels: CpuKernels, c: Case,
+def run_decode(cpu_kernels: ShimLauncher, c: Case,
                heads_per_cta: int | None = None) -> torch.Tensor:
     out = torch.empty_like(c.query)
     seq_lens = torch.tensor(c.seq_lens, dtype=torch.int32)
@@ -50,7 +50,7 @@ def run_decode(cpu_kernels: CpuKernels, c: Case,
     return out
 
 
-def run_prefill(cpu_kernels: CpuKernels, c: Case) -> torch.Tensor:
+def run_prefill(cpu_kernels: ShimLauncher, c: Case) -> torch.Tensor:
     out = torch.empty_like(c.query)
     meta = c.metadata(num_decode_seqs=0)
     cpu_kernels.run(kernels.prefill(out, c.query, c.key_cache, c.value_cache, c.block_tables,
@@ -64,15 +64,15 @@ def reference_of(c: Case) -> torch.Tensor:
                                      c.seq_lens, c.query_lens, c.scale)
 
 
-def test_shim_build_holds_every_tested_variant(cpu_kernels: CpuKernels) -> None:
+def test_shim_build_holds_every_tested_variant(cpu_kernels: ShimLauncher) -> None:
     for dtype, head, block in VARIANTS:
         for name in kernels.name_expressions(dtype, head, block):
-            assert cpu_kernels.has_kernel(name), name
+            assert cpu_kernels.library.has_kernel(name), name
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
 def test_decode_equals_reference_with_gqa_ragged_lengths_and_random_tables(
-        cpu_kernels: CpuKernels, variant: tuple[torch.dtype, int, int]) -> None:
+        cpu_kernels: ShimLauncher, variant: tuple[torch.dtype, int, int]) -> None:
     dtype, head, block = variant
     # 1 token; a partial last block; exactly full blocks; several blocks plus a partial one.
     seq_lens = [1, block + 3, 2 * block, 3 * block + block // 2 + 1]
@@ -82,7 +82,7 @@ def test_decode_equals_reference_with_gqa_ragged_lengths_and_random_tables(
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4], ids=["mqa", "gqa", "mha"])
-def test_decode_and_prefill_map_query_heads_to_their_kv_head(cpu_kernels: CpuKernels,
+def test_decode_and_prefill_map_query_heads_to_their_kv_head(cpu_kernels: ShimLauncher,
                                                               num_kv_heads: int) -> None:
     c = make_case([9, 30], [1, 1], num_heads=4, num_kv_heads=num_kv_heads, head_size=64,
                   block_size=8, seed=7)
@@ -96,7 +96,7 @@ def test_decode_and_prefill_map_query_heads_to_their_kv_head(cpu_kernels: CpuKer
 
 
 def test_decode_splits_long_contexts_into_partitions_and_reduces_them(
-        cpu_kernels: CpuKernels) -> None:
+        cpu_kernels: ShimLauncher) -> None:
     # 2 and 3 partitions of 512 tokens, and a short sequence (one partition) in the same launch;
     # 1025 puts a single token in the last partition.
     seq_lens = [600, 1025, 37]
@@ -109,7 +109,7 @@ def test_decode_splits_long_contexts_into_partitions_and_reduces_them(
     assert_matches(run_decode(cpu_kernels, c, heads_per_cta=2), reference_of(c), torch.float32)
 
 
-def test_stale_tail_of_the_last_block_never_reaches_the_output(cpu_kernels: CpuKernels) -> None:
+def test_stale_tail_of_the_last_block_never_reaches_the_output(cpu_kernels: ShimLauncher) -> None:
     c = make_case([17], [1], num_heads=2, num_kv_heads=2, head_size=64, block_size=16, seed=3)
     last_block = int(c.block_tables[0, 1])
     assert c.key_cache[last_block, 1:].isnan().all() and c.value_cache[last_block, 1:].isnan().all()
@@ -118,7 +118,7 @@ def test_stale_tail_of_the_last_block_never_reaches_the_output(cpu_kernels: CpuK
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
 def test_chunked_prefill_attends_to_cached_context_and_causally_within_the_chunk(
-        cpu_kernels: CpuKernels, variant: tuple[torch.dtype, int, int]) -> None:
+        cpu_kernels: ShimLauncher, variant: tuple[torch.dtype, int, int]) -> None:
     dtype, head, block = variant
     # A whole prompt over several query tiles; a chunk after a cached context that ends inside a
     # block; a one-token chunk; a chunk that starts on a block boundary.
@@ -129,7 +129,7 @@ def test_chunked_prefill_attends_to_cached_context_and_causally_within_the_chunk
     assert_matches(run_prefill(cpu_kernels, c), reference_of(c), dtype)
 
 
-def test_backend_runs_a_mixed_batch_written_through_write_kv(cpu_kernels: CpuKernels) -> None:
+def test_backend_runs_a_mixed_batch_written_through_write_kv(cpu_kernels: ShimLauncher) -> None:
     """CupyAttentionBackend end to end on the shim: write this step's K/V (padding slot -1), then
     two decodes and two prefill chunks in one forward."""
     block, kvh, heads, head = 8, 2, 4, 64
@@ -149,7 +149,7 @@ def test_backend_runs_a_mixed_batch_written_through_write_kv(cpu_kernels: CpuKer
     expected_k, expected_v = c.key_cache.clone(), c.value_cache.clone()
     reference.reshape_and_cache(new_k, new_v, expected_k, expected_v, slot_mapping)
 
-    backend = CupyAttentionBackend(run=cpu_kernels.run)
+    backend = CupyAttentionBackend(cpu_kernels)
     backend.write_kv(new_k, new_v, c.key_cache, c.value_cache, slot_mapping)
     assert torch.equal(c.key_cache.nan_to_num(7.0), expected_k.nan_to_num(7.0))
     assert torch.equal(c.value_cache.nan_to_num(7.0), expected_v.nan_to_num(7.0))

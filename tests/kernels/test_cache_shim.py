@@ -9,7 +9,7 @@ import torch
 from engine import kernels
 from engine.attention.cupy_backend import CupyAttentionBackend, swap_blocks
 from tests.kernels import reference
-from tests.kernels.cpu_kernels import CpuKernels
+from tests.kernels.cpu_kernels import ShimLauncher
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -20,7 +20,7 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tens
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reshape_and_cache_writes_each_token_to_its_slot_and_skips_minus_one(
-        cpu_kernels: CpuKernels, dtype: torch.dtype) -> None:
+        cpu_kernels: ShimLauncher, dtype: torch.dtype) -> None:
     num_blocks, block, kvh, head = 6, 8, 2, 64
     key_cache = _random((num_blocks, block, kvh, head), dtype, 0)
     value_cache = _random((num_blocks, block, kvh, head), dtype, 1)
@@ -33,7 +33,7 @@ def test_reshape_and_cache_writes_each_token_to_its_slot_and_skips_minus_one(
 
 
 def test_reshape_and_cache_reads_strided_views_of_a_fused_projection(
-        cpu_kernels: CpuKernels) -> None:
+        cpu_kernels: ShimLauncher) -> None:
     kvh, head = 2, 80
     qkv = _random((4, 4 + 2 * kvh, head), torch.bfloat16, 4)  # [tokens, q|k|v heads, head]
     key, value = qkv[:, 4:4 + kvh], qkv[:, 4 + kvh:]
@@ -42,13 +42,13 @@ def test_reshape_and_cache_reads_strided_views_of_a_fused_projection(
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
     slot_mapping = torch.tensor([3, 40, 41, 5], dtype=torch.int64)
     reference.reshape_and_cache(key, value, expected_k, expected_v, slot_mapping)
-    CupyAttentionBackend(run=cpu_kernels.run).write_kv(key, value, key_cache, value_cache,
+    CupyAttentionBackend(cpu_kernels).write_kv(key, value, key_cache, value_cache,
                                                        slot_mapping)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_copy_blocks_copies_every_layer_k_and_v_in_one_launch(cpu_kernels: CpuKernels,
+def test_copy_blocks_copies_every_layer_k_and_v_in_one_launch(cpu_kernels: ShimLauncher,
                                                               dtype: torch.dtype) -> None:
     cache = _random((3, 2, 7, 16, 2, 64), dtype, 5)  # 3 layers
     expected = cache.clone()
@@ -58,21 +58,21 @@ def test_copy_blocks_copies_every_layer_k_and_v_in_one_launch(cpu_kernels: CpuKe
     dst = torch.tensor([p[1] for p in pairs])
     launches = kernels.copy_blocks(cache, cache, torch.stack([src, dst], 1))
     assert len(launches) == 1 and launches[0].grid == (3, 6, 1)
-    CupyAttentionBackend(run=cpu_kernels.run).copy_blocks(cache, src, dst)
+    CupyAttentionBackend(cpu_kernels).copy_blocks(cache, src, dst)
     assert torch.equal(cache, expected)
 
 
 def test_swap_blocks_moves_blocks_between_caches_of_different_sizes(
-        cpu_kernels: CpuKernels) -> None:
+        cpu_kernels: ShimLauncher) -> None:
     device_cache = _random((2, 2, 5, 8, 2, 96), torch.float16, 6)
     host_cache = _random((2, 2, 9, 8, 2, 96), torch.float16, 7)
     expected_host = host_cache.clone()
     reference.copy_blocks(device_cache, expected_host, [(4, 8), (1, 0)])
-    assert swap_blocks(device_cache, host_cache, [4, 1], [8, 0], run=cpu_kernels.run) is None
+    assert swap_blocks(device_cache, host_cache, [4, 1], [8, 0], launcher=cpu_kernels) is None
     assert torch.equal(host_cache, expected_host)
     expected_device = device_cache.clone()
     reference.copy_blocks(host_cache, expected_device, [(8, 2)])
-    backend = CupyAttentionBackend(run=cpu_kernels.run)  # the engine's route to swap_blocks
+    backend = CupyAttentionBackend(cpu_kernels)  # the engine's route to swap_blocks
     backend.swap_blocks(host_cache, device_cache, torch.tensor([8]), torch.tensor([2]))
     assert torch.equal(device_cache, expected_device)
 

@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from tests.kernels.cpu_kernels import CpuKernels
+from tests.kernels.cpu_kernels import ShimLauncher
 
 
 def _convert(fn: ctypes._CFuncPtr, src: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -34,30 +34,32 @@ def _float_inputs() -> torch.Tensor:
                                     float("inf"), -float("inf"), float("nan")])])
 
 
-def test_every_half_bit_pattern_converts_to_the_float_torch_gives(cpu_kernels: CpuKernels) -> None:
+def test_every_half_bit_pattern_converts_to_the_float_torch_gives(
+        cpu_kernels: ShimLauncher) -> None:
     halves = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
-    out = _convert(cpu_kernels.lib.genq_half_to_float, halves, torch.float32)
+    out = _convert(cpu_kernels.library.lib.genq_half_to_float, halves, torch.float32)
     assert torch.equal(out.view(torch.int32), halves.view(torch.float16).float().view(torch.int32))
 
 
-def test_every_bf16_bit_pattern_converts_to_the_float_torch_gives(cpu_kernels: CpuKernels) -> None:
+def test_every_bf16_bit_pattern_converts_to_the_float_torch_gives(
+        cpu_kernels: ShimLauncher) -> None:
     raw = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
-    out = _convert(cpu_kernels.lib.genq_bf16_to_float, raw, torch.float32)
+    out = _convert(cpu_kernels.library.lib.genq_bf16_to_float, raw, torch.float32)
     assert torch.equal(out.view(torch.int32), raw.view(torch.bfloat16).float().view(torch.int32))
 
 
-def test_float_to_half_rounds_to_nearest_even_like_torch(cpu_kernels: CpuKernels) -> None:
+def test_float_to_half_rounds_to_nearest_even_like_torch(cpu_kernels: ShimLauncher) -> None:
     x = _float_inputs()
-    out = _convert(cpu_kernels.lib.genq_float_to_half, x, torch.int16).view(torch.float16)
+    out = _convert(cpu_kernels.library.lib.genq_float_to_half, x, torch.int16).view(torch.float16)
     expected = x.half()
     nan = expected.isnan()
     assert torch.equal(out.isnan(), nan)  # NaN payloads may differ; NaN-ness may not
     assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
 
 
-def test_float_to_bf16_rounds_to_nearest_even_like_torch(cpu_kernels: CpuKernels) -> None:
+def test_float_to_bf16_rounds_to_nearest_even_like_torch(cpu_kernels: ShimLauncher) -> None:
     x = _float_inputs()
-    out = _convert(cpu_kernels.lib.genq_float_to_bf16, x, torch.int16).view(torch.bfloat16)
+    out = _convert(cpu_kernels.library.lib.genq_float_to_bf16, x, torch.int16).view(torch.bfloat16)
     expected = x.bfloat16()
     nan = expected.isnan()
     assert torch.equal(out.isnan(), nan)

@@ -9,9 +9,8 @@ import subprocess
 from pathlib import Path
 
 from engine import kernels
-from tests.kernels.cpu_kernels import SHIM_DIR, build
+from tests.kernels.cpu_kernels import SHIM_DIR, TSAN_FLAGS, build
 
-TSAN_FLAGS = ("-O1", "-g", "-fsanitize=thread")
 # The barrier between reading the K tile and overwriting the same shared memory with V.
 REMOVED_SYNC = "__syncthreads();  // K tile fully read before V overwrites it"
 

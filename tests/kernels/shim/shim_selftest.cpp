@@ -67,6 +67,20 @@ __global__ void early_exit(int* out) {
   out[threadIdx.x] = buf[63 - threadIdx.x];
 }
 
+// Half of warp 0 waits at __syncthreads, the other half at __syncwarp: neither barrier can complete
+// (a hang on a GPU). The fiber executor reports it; the OS-thread executor would hang, so only the
+// fiber build runs it.
+#if !defined(GENQ_SHIM_THREADS)
+__global__ void mismatched_barriers(int* out) {
+  if (threadIdx.x % 32 < 16) {
+    __syncthreads();
+  } else {
+    __syncwarp();
+  }
+  out[threadIdx.x] = 1;
+}
+#endif
+
 }  // namespace
 
 int main() {
@@ -111,6 +125,23 @@ int main() {
     cuda_shim::launch(dim3(3), dim3(128), early_exit, out.data());
     for (int t = 0; t < 64; ++t) expect(out[t] == 63 - t, "early exit", t, out[t], 63 - t);
   }
+#if !defined(GENQ_SHIM_THREADS)
+  {
+    std::vector<int> out(32, 0);
+    bool reported = false;
+    try {
+      cuda_shim::launch(dim3(2), dim3(32), mismatched_barriers, out.data());
+    } catch (const std::logic_error&) {
+      reported = true;
+    }
+    expect(reported, "deadlock reported", 0, reported, 1);
+    std::vector<int> again(2 * 64);  // the executor starts afresh after a deadlock
+    cuda_shim::launch(dim3(2), dim3(64), shared_per_block, again.data());
+    for (int i = 0; i < 2 * 64; ++i) {
+      expect(again[i] == i / 64 + 7, "after deadlock", i, again[i], i / 64 + 7);
+    }
+  }
+#endif
   std::printf("%s\n", failures ? "shim self-test failed" : "shim self-test passed");
   return failures ? 1 : 0;
 }

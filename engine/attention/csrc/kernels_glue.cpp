@@ -1,17 +1,20 @@
 // C entry points over the unchanged cuda/ sources, compiled with g++ against cuda_cpu_shim.h and
-// called from the tests through ctypes: genq_launch executes the Launch records of engine/kernels.py
-// (kernel name expression, grid, block, parameters) as cuLaunchKernel would.
+// called through ctypes by engine/attention/cuda_shim.py: genq_launch executes the kernel
+// parameters that engine/kernels.py marshals (kernel name expression, grid, block, parameters) as
+// cuLaunchKernel would.
 #include "cuda_cpu_shim.h"
 
 #include "paged_attention.cu"
 #include "cache_kernels.cu"
 
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <utility>
 
-// (type, head size, block size) compiled into the shim; the tests pick from this list
-// (genq_has_kernel). Every dtype, head size and block size appears at least once.
+// (type, head size, block size) compiled into the shim. The engine builds one variant per library
+// (-DGENQ_SHIM_VARIANTS(X)=X(float,64,16)); this default list is the kernel tests' build, in which
+// every dtype, head size and block size appears at least once.
 #ifndef GENQ_SHIM_VARIANTS
 #define GENQ_SHIM_VARIANTS(X)        \
   X(float, 64, 8)                 \
@@ -94,31 +97,53 @@ const Entry* find(const char* name) {
 
 }  // namespace
 
+// Shim libraries are built with -fvisibility=hidden: the engine loads one per variant into one
+// process, and each must keep its own executor and thread-locals (the dynamic linker would
+// otherwise bind every library's inline functions to the first library's). Only these C entry
+// points are exported.
+#define GENQ_EXPORT __attribute__((visibility("default")))
+
 extern "C" {
 
-int genq_has_kernel(const char* name) { return find(name) != nullptr; }
+GENQ_EXPORT int genq_has_kernel(const char* name) { return find(name) != nullptr; }
 
 // Launches kernel `name` like cuLaunchKernel: 0 on success, -1 for a kernel this build lacks, -2
-// when a kernel thread threw, -3 for a parameter list that does not match the kernel's.
-int genq_launch(const char* name, unsigned int gx, unsigned int gy, unsigned int gz,
-                unsigned int bx, unsigned int by, unsigned int bz, void** params, const int* sizes,
-                int num_params) {
+// when a kernel thread threw, -3 for a parameter list that does not match the kernel's. Parameter i
+// is sizes[i] bytes at the start of the 8-byte slot packed + 8 * i (little-endian).
+GENQ_EXPORT int genq_launch(const char* name, unsigned int gx, unsigned int gy, unsigned int gz,
+                unsigned int bx, unsigned int by, unsigned int bz, const unsigned char* packed,
+                const int* sizes, int num_params) {
   const Entry* e = find(name);
   if (e == nullptr) return -1;
+  constexpr int kMaxParams = 32;
+  if (num_params < 0 || num_params > kMaxParams) return -3;
+  std::uint64_t slots[kMaxParams];
+  void* params[kMaxParams];
+  std::memcpy(slots, packed, sizeof(std::uint64_t) * num_params);
+  for (int i = 0; i < num_params; ++i) params[i] = &slots[i];
   return e->launch(dim3(gx, gy, gz), dim3(bx, by, bz), params, sizes, num_params);
 }
 
+// OS threads that run a launch's CTAs (the caller included); ignored by the TSan build.
+GENQ_EXPORT void genq_set_num_threads(int n) {
+#if !defined(GENQ_SHIM_THREADS)
+  cuda_shim::Pool::get().set_num_threads(n);
+#else
+  (void)n;
+#endif
+}
+
 // The device-side conversions of cuda/genq_common.cuh, element by element (portable twins).
-void genq_half_to_float(const unsigned short* in, float* out, long long n) {
+GENQ_EXPORT void genq_half_to_float(const unsigned short* in, float* out, long long n) {
   for (long long i = 0; i < n; ++i) out[i] = genq::half_bits_to_float(in[i]);
 }
-void genq_float_to_half(const float* in, unsigned short* out, long long n) {
+GENQ_EXPORT void genq_float_to_half(const float* in, unsigned short* out, long long n) {
   for (long long i = 0; i < n; ++i) out[i] = genq::float_to_half_bits(in[i]);
 }
-void genq_bf16_to_float(const unsigned short* in, float* out, long long n) {
+GENQ_EXPORT void genq_bf16_to_float(const unsigned short* in, float* out, long long n) {
   for (long long i = 0; i < n; ++i) out[i] = genq::bf16_bits_to_float(in[i]);
 }
-void genq_float_to_bf16(const float* in, unsigned short* out, long long n) {
+GENQ_EXPORT void genq_float_to_bf16(const float* in, unsigned short* out, long long n) {
   for (long long i = 0; i < n; ++i) out[i] = genq::float_to_bf16_bits(in[i]);
 }
 
