@@ -186,7 +186,7 @@ def test_worker_flag_and_config_name_the_backend_and_refuse_what_cannot_run() ->
     assert build_parser().parse_args(["--model", "m"]).attention_backend is None
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(model="m", attention_backend="shim")
-    config = EngineConfig(model="m", attention_backend="cuda-shim")
+    config = EngineConfig(model="m", attention_backend="cuda-shim", dtype="float32")
     with pytest.raises(ValueError, match="use device='cpu'"):
         select_backend(config, torch.device("cuda"), 64)
     with pytest.raises(ValueError, match="head sizes"):  # no kernel variant for head size 72
