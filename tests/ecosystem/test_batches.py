@@ -108,22 +108,25 @@ def test_a_batch_completes_with_the_offline_answers_and_an_error_file(
         client.files.retrieve(file_id)
 
 
-def long_lines(n: int) -> list[str]:
-    return [request(f"q{i}", f"import os {i}", max_tokens=LONG, temperature=0, ignore_eos=True)
-            for i in range(n)]
+def long_batch(client: openai.OpenAI, tmp: Path, lines: int, done: int) -> str:
+    """A batch of `lines` long lines, once `done` of them are done -> its id."""
+    file_id = upload(client, tmp, [request(f"q{i}", f"import os {i}", max_tokens=LONG,
+                                           temperature=0, ignore_eos=True)
+                                   for i in range(lines)])
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= done,
+             timeout=240, what=f"{done} line(s) done")
+    return batch.id
 
 
 def test_cancelling_a_batch_cancels_its_running_jobs(gateway: GatewayProcess,
                                                      fleet: tuple[RedisServer, Path],
                                                      tmp_path: Path) -> None:
     client = gateway.openai()
-    file_id = upload(client, tmp_path, long_lines(16))
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
-                                  completion_window="24h")
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1,
-             timeout=240, what="a line done")
-    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
-    end = wait_status(client, batch.id, ("cancelled",))
+    batch_id = long_batch(client, tmp_path, 16, 1)
+    assert client.batches.cancel(batch_id).status in ("cancelling", "cancelled")
+    end = wait_status(client, batch_id, ("cancelled",))
     completed = end.request_counts.completed
     assert 1 <= completed < 16
     assert len(lines_of(client, end.output_file_id)) == completed
@@ -141,18 +144,13 @@ def test_a_gateway_killed_mid_batch_and_restarted_completes_it_once(
         fleet: tuple[RedisServer, Path], offline: Any, tmp_path: Path) -> None:
     server, files = fleet
     first = GatewayProcess(server.url, tmp_path / "gw1.log", "--files-dir", str(files))
-    client = first.openai()
-    file_id = upload(client, tmp_path, long_lines(10))
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
-                                  completion_window="24h")
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2,
-             timeout=240, what="two lines done")
+    batch_id = long_batch(first.openai(), tmp_path, 10, 2)
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
     second = GatewayProcess(server.url, tmp_path / "gw2.log", "--files-dir", str(files))
     try:
         client = second.openai()
-        done = wait_status(client, batch.id, ("completed",))
+        done = wait_status(client, batch_id, ("completed",))
         out = lines_of(client, done.output_file_id)
     finally:
         second.stop()

@@ -14,8 +14,10 @@ def random_prompts(num: int, seed: int, lo: int = 3, hi: int = 40, vocab: int = 
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """The oracle: transformers generate(do_sample=False), one prompt at a time, no EOS stop."""
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+              bias: dict[int, float] | None = None) -> list[list[int]]:
+    """The oracle: transformers generate(do_sample=False), one prompt at a time, no EOS stop;
+    `bias`: token id -> logit bias, as sequence_bias of one-token sequences."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -24,7 +26,8 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
         for p in prompts:
             ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
                                  max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=2)
+                                 eos_token_id=None, pad_token_id=2,
+                                 sequence_bias={(t,): b for t, b in (bias or {}).items()} or None)
             outs.append(ids[0, len(p):].tolist())
     return outs
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import random_prompts
+from tests.engine.conftest import hf_greedy, random_prompts
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "genq-tiny-stdlib"
 PROMPTS = ["def main():", "import os\n", "class Config:", "# settings\n", "return {",
@@ -203,24 +203,6 @@ def test_each_distinct_grammar_compiles_once(make_llm):
     assert (stats["num_grammar_compiles"], stats["num_grammar_cache_hits"]) == (2, 4)
 
 
-def hf_greedy_biased(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
-                     bias: dict[int, float]) -> list[list[int]]:
-    """transformers' greedy generate with sequence_bias of one-token sequences (the oracle)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
-                                 max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=2,
-                                 sequence_bias={(t,): b for t, b in bias.items()})
-            outs.append(ids[0, len(p):].tolist())
-    return outs
-
-
 def test_logit_bias_moves_the_argmax_and_equals_transformers_sequence_bias(tiny_llama, make_llm):
     prompts = random_prompts(4, seed=9)
     llm = make_llm(tiny_llama, block_size=8, num_threads=1)
@@ -238,7 +220,7 @@ def test_logit_bias_moves_the_argmax_and_equals_transformers_sequence_bias(tiny_
     outs = llm.generate(prompts, SamplingParams(**greedy, logit_bias=bias), use_tqdm=False)
     biased = [o.outputs[0].token_ids for o in outs]
     assert biased != plain
-    assert biased == hf_greedy_biased(tiny_llama, prompts, 8, bias)
+    assert biased == hf_greedy(tiny_llama, prompts, 8, bias)
 
 
 def test_allowed_token_ids_bound_every_sampled_token(tiny_llama, make_llm):
