@@ -46,6 +46,7 @@ from producer.gateway_fleet import (
     check_last_event_id,
     error_status,
 )
+from producer.gateway_hub import ReplyHub
 from producer.gateway_limits import check_prompt_count
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
@@ -110,9 +111,11 @@ class Gateway:
         # Requests reading each job now: a cut request's delayed cancel spares a job that
         # another request (a retry with the same Genq-Job-Id) reads by then.
         self._readers: dict[str, int] = {}
+        self.hub: ReplyHub | None = None  # (made in the event loop, by start())
 
     async def start(self) -> None:
-        """Nothing to start yet; the app calls it once before the first request."""
+        """In the app's event loop, before the first request."""
+        self.hub = ReplyHub(self.cfg.redis_url, self.redis.conn)
 
     async def stop(self) -> None:
         """At shutdown (after the drain): the jobs of cut streams are cancelled now, since
@@ -124,6 +127,8 @@ class Gateway:
         with contextlib.suppress(Exception):  # (Redis may be what is going away)
             await asyncio.wait_for(asyncio.gather(
                 *(self.redis.cancel(job_id) for job_id in due)), timeout=2.0)
+        if self.hub is not None:
+            await self.hub.close()
         await self.redis.close()
 
     # ------------------------------------------------------------------ submission
@@ -206,8 +211,9 @@ class Gateway:
                     self._readers[job_id] = left
 
     def reader(self, job_id: str, after: str | None = None) -> JobReader:
-        return JobReader(self.redis.blocking_conn, self.keys.reply(job_id), job_id, after,
-                         self.cfg.timeout_s + 30, self.keys.idem(job_id))
+        conn = self.redis.blocking_conn if self.hub is None else self.redis.conn
+        return JobReader(conn, self.keys.reply(job_id), job_id, after, self.cfg.timeout_s + 30,
+                         self.keys.idem(job_id), self.hub)
 
     # ------------------------------------------------------------------ answers
 
@@ -272,6 +278,7 @@ class Gateway:
 
         async def body() -> AsyncIterator[str]:
             finished = False
+            frames: list[str] = []
             try:
                 with self._reading([job_id]):
                     pending = [first] if first is not None else []
@@ -280,15 +287,18 @@ class Gateway:
                         if void is not None:  # the job runs on; only this stream ends
                             finished = True
                             await events.aclose()
-                            yield f"data: {json.dumps(void)}\n\n"
+                            yield "".join(frames) + f"data: {json.dumps(void)}\n\n"
                             return
                         head = f"id: {entry_id}\n" if with_ids else ""
-                        for data in shaper.sse_payloads(event):
-                            yield f"{head}data: {json.dumps(data)}\n\n"
+                        frames += [f"{head}data: {json.dumps(data)}\n\n"
+                                   for data in shaper.sse_payloads(event)]
                         finished = event["type"] in ("done", "error")
-                    yield "data: [DONE]\n\n"
+                        if frames and reader.batch_left == 0 and not finished:
+                            yield "".join(frames)  # (events read together: one write)
+                            frames = []
+                    yield "".join(frames) + "data: [DONE]\n\n"
             except GatewayError as exc:  # e.g. no terminal event before the deadline
-                yield f"data: {json.dumps(exc.body())}\n\n"
+                yield "".join(frames) + f"data: {json.dumps(exc.body())}\n\n"
             finally:
                 if not finished:  # the client went away (or we failed): stop the job
                     with anyio.CancelScope(shield=True):
