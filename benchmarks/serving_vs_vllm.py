@@ -103,7 +103,7 @@ def start_vllm(tmp: Path, model: Path, procs: list[subprocess.Popen[bytes]],
     port = free_port()
     server = spawn([str(TOOLS / "vllm-cli"), "serve", str(model), "--served-model-name", NAME,
                     "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
-                    "--disable-log-requests", *vllm_args], tmp / "vllm.log", procs)
+                    *vllm_args], tmp / "vllm.log", procs)
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/health", server, tmp / "vllm.log", 900)
     return base, server.pid
@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                              tmp / f"genq-{rate}.json", gateway, pids)
     finally:
         stop_all(procs)
+    report(figures, rates)  # (genq's figures stand even if vLLM fails to start)
     if not args.skip_vllm:
         procs = []
         try:

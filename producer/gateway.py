@@ -115,7 +115,7 @@ class Gateway:
 
     async def start(self) -> None:
         """In the app's event loop, before the first request."""
-        self.hub = ReplyHub(self.cfg.redis_url, self.redis.conn)
+        self.hub = ReplyHub(self.cfg.redis_url)
 
     async def stop(self) -> None:
         """At shutdown (after the drain): the jobs of cut streams are cancelled now, since

@@ -6,27 +6,23 @@ and hands each subscription the entries past its cursor. An engine step's tokens
 streams then cost one Redis read and one connection, not a hundred of each.
 
 A subscription that the XREAD in flight does not cover (a new key, or a resume that reads a
-key from its start) is picked up at once: the hub wakes its own blocked XREAD with CLIENT
-UNBLOCK. Where the Redis user may not run CLIENT (an ACL), the hub blocks for at most
-`fallback_block_ms` instead, so a new subscription waits at most that long.
+key from its start) is picked up at once: a new reader generation starts an XREAD over all keys,
+and the older one ends once its XREAD returns (what both read is handed over once: each
+subscription's cursor drops what it already has). No Redis command beyond XREAD is needed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis import ConnectionError as RedisConnectionError
-from redis import ResponseError
 from redis import TimeoutError as RedisTimeoutError
 
 from producer.client import BLOCK_MS, REPLY_READ_COUNT
 
-log = logging.getLogger("uvicorn.error")
 Entry = tuple[Any, Any]  # (entry id, fields) as XREAD gives them
 
 
@@ -44,30 +40,25 @@ class Subscription:
 
 
 class ReplyHub:
-    def __init__(self, url: str, control: aioredis.Redis, block_ms: int = BLOCK_MS,
-                 fallback_block_ms: int = 20) -> None:
-        self.conn = aioredis.Redis.from_url(
-            url, protocol=2, single_connection_client=True, socket_connect_timeout=5.0,
-            socket_timeout=block_ms / 1000 + 10)
-        self.control = control  # another connection: CLIENT UNBLOCK reaches the blocked one
+    def __init__(self, url: str, block_ms: int = BLOCK_MS, max_connections: int = 64) -> None:
+        self.conn = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=None, protocol=2,
+            socket_connect_timeout=5.0, socket_timeout=block_ms / 1000 + 10))
         self.block_ms = block_ms
-        self.fallback_block_ms = fallback_block_ms
         self._subs: dict[str, list[Subscription]] = {}
-        self._in_flight: dict[str, str] | None = None  # the streams of the XREAD now blocked
-        self._client_id: int | None = None
-        self._can_unblock = True
+        self._generation = 0  # the newest reader's; older readers end after their XREAD
+        self._in_flight: dict[str, str] | None = None  # the newest reader's blocked XREAD
+        self._restart_due = False
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def subscribe(self, key: str) -> Subscription:
         sub = Subscription(key)
         self._subs.setdefault(key, []).append(sub)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
         self._wake.set()
-        if self._in_flight is not None and self._in_flight.get(key) != "0-0":
-            self._unblock()  # the XREAD in flight does not read this key from its start
+        if not self._tasks or (self._in_flight is not None
+                               and self._in_flight.get(key) != "0-0"):
+            self._restart_soon()  # (no reader, or its XREAD does not read this key from 0)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -87,60 +78,50 @@ class ReplyHub:
             return []
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+        self._generation += 1
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.conn.aclose()
 
-    # ------------------------------------------------------------------ the reader task
+    # ------------------------------------------------------------------ the readers
 
-    def _unblock(self) -> None:
-        if not self._can_unblock or self._client_id is None:
+    def _restart_soon(self) -> None:
+        """A new reader generation, once per event-loop turn however many subscribe in it."""
+        if self._restart_due:
             return
-        task = asyncio.get_running_loop().create_task(self._send_unblock(self._client_id))
+        self._restart_due = True
+        asyncio.get_running_loop().call_soon(self._restart)
+
+    def _restart(self) -> None:
+        self._restart_due = False
+        self._generation += 1
+        task = asyncio.get_running_loop().create_task(self._run(self._generation))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send_unblock(self, client_id: int) -> None:
-        try:
-            await self.control.client_unblock(client_id)
-        except ResponseError:  # (NOPERM under an ACL without CLIENT)
-            self._can_unblock = False
-        except (RedisConnectionError, RedisTimeoutError):
-            pass
-
-    async def _learn_client_id(self) -> None:
-        if not self._can_unblock or self._client_id is not None:
-            return
-        try:
-            self._client_id = int(await self.conn.client_id())
-        except ResponseError:
-            self._can_unblock = False
-
-    async def _run(self) -> None:
+    async def _run(self, generation: int) -> None:
         backoff = 0.05
-        while True:
+        while generation == self._generation:
             if not self._subs:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             streams: dict[Any, Any] = {key: "{}-{}".format(*min(s.cursor for s in subs))
                                        for key, subs in self._subs.items()}
+            self._in_flight = streams
             try:
-                await self._learn_client_id()
-                self._in_flight = streams
-                block = self.block_ms if self._can_unblock else self.fallback_block_ms
-                resp: Any = await self.conn.xread(streams, count=REPLY_READ_COUNT, block=block)
+                resp: Any = await self.conn.xread(streams, count=REPLY_READ_COUNT,
+                                                  block=self.block_ms)
                 backoff = 0.05
             except (RedisConnectionError, RedisTimeoutError):
                 # Redis is down: each reader times out on its own deadline; retry, not spin
-                self._client_id = None  # (a new connection has a new id)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
             finally:
-                self._in_flight = None
+                if generation == self._generation:
+                    self._in_flight = None
             for raw_key, entries in resp or []:
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
                 self._dispatch(self._subs.get(key, []), entries)
