@@ -1,7 +1,8 @@
 """genq (Redis + worker + OpenAI gateway) against `vllm serve`, under vLLM's own load generator.
 
 The same stock `vllm bench serve` command (`/work/shared/tools/vllm-bench-serve`, or
---bench-cmd) runs against genq and then against vLLM's server, one after the other in one run,
+--bench-cmd) runs against genq and against vLLM's server in one run: both are up, measured in
+turns, the order swapped each round (so both see the same machine),
 on the same model under the same served name: random prompts of --input-len tokens, exactly
 --output-len output tokens (ignore_eos), --num-prompts requests, at each --rates (inf: all at
 once). It prints request and output throughput, TTFT, TPOT and ITL (mean and p99), failed
@@ -10,7 +11,7 @@ vLLM's API server process) and everything (genq: gateway + worker + redis-server
 server and its engine process). Nothing is asserted here.
 
     python -m benchmarks.serving_vs_vllm [--model models/genq-tiny-stdlib] [--rates inf,20]
-        [--num-prompts 200] [--json out.json] [--skip-vllm]
+        [--num-prompts 200] [--rounds 2] [--json out.json] [--skip-vllm]
 
 The first use of vLLM's tools installs its CPU build (~3 minutes).
 """
@@ -150,40 +151,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-args", default="", help="extra `genq worker` flags")
     p.add_argument("--gateway-args", default="", help="extra `genq gateway` flags")
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
+    p.add_argument("--rounds", type=int, default=2, help="rounds, the order swapped each round")
     p.add_argument("--skip-vllm", action="store_true", help="measure genq only")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
     rates = args.rates.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="genq-vs-vllm-"))
-    figures: dict[str, Any] = {"genq": {}, "vllm": {}, "args": {
-        k: str(v) for k, v in vars(args).items()}}
+    rounds: list[dict[str, Any]] = []
     procs: list[subprocess.Popen[bytes]] = []
     try:
         base, pids, gateway = start_genq(tmp, args.model, procs, args.worker_args.split(),
                                          args.gateway_args.split())
-        for rate in rates:
-            figures["genq"][rate] = measured(base, args.model, rate, args,
-                                             tmp / f"genq-{rate}.json", gateway, pids)
+        sides: dict[str, tuple[str, int, list[int]]] = {"genq": (base, gateway, pids)}
+        if not args.skip_vllm:  # (up together, measured in turns: both see the same machine)
+            vllm_base, server = start_vllm(tmp, args.model, procs, args.vllm_args.split())
+            sides["vllm"] = (vllm_base, server, [server])
+        for k in range(args.rounds):
+            order = list(sides) if k % 2 == 0 else list(reversed(sides))
+            row: dict[str, Any] = {side: {} for side in sides}
+            for rate in rates:
+                for side in order:
+                    url, front, everything = sides[side]
+                    row[side][rate] = measured(url, args.model, rate, args,
+                                               tmp / f"{side}-{rate}-{k}.json", front, everything)
+            rounds.append(row)
+            report(row, rates, f"round {k + 1} ({' then '.join(order)} at each rate)")
     finally:
         stop_all(procs)
-    report(figures, rates)  # (genq's figures stand even if vLLM fails to start)
-    if not args.skip_vllm:
-        procs = []
-        try:
-            base, server = start_vllm(tmp, args.model, procs, args.vllm_args.split())
-            for rate in rates:
-                figures["vllm"][rate] = measured(base, args.model, rate, args,
-                                                 tmp / f"vllm-{rate}.json", server, [server])
-        finally:
-            stop_all(procs)
-    report(figures, rates)
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                               "rounds": rounds}, indent=2))
     print(f"(logs and raw results: {tmp})")
     return 0
 
 
-def report(figures: dict[str, Any], rates: list[str]) -> None:
+def report(figures: dict[str, Any], rates: list[str], title: str) -> None:
+    print(title)
     cols = [("req/s", "request_throughput", 1), ("out tok/s", "output_throughput", 0),
             ("TTFT mean", "mean_ttft_ms", 1), ("p99", "p99_ttft_ms", 1),
             ("TPOT mean", "mean_tpot_ms", 2), ("p99", "p99_tpot_ms", 2),
@@ -193,12 +196,12 @@ def report(figures: dict[str, Any], rates: list[str]) -> None:
     print(f"{'':<16}" + "".join(f"{c[0]:>13}" for c in cols) + "   (times in ms)")
     for rate in rates:
         for side in ("genq", "vllm"):
-            row = figures[side].get(rate)
+            row = figures.get(side, {}).get(rate)
             if row is None:
                 continue
             print(f"{side + ' @ ' + rate:<16}" + "".join(
                 f"{float(row[k] or 0):>13.{digits}f}" for _, k, digits in cols))
-        g, v = figures["genq"].get(rate), figures["vllm"].get(rate)
+        g, v = figures["genq"].get(rate), figures.get("vllm", {}).get(rate)
         if g and v:
             print(f"{'genq / vllm':<16}{g['request_throughput'] / v['request_throughput']:>13.2f}"
                   f"{g['output_throughput'] / v['output_throughput']:>13.2f}"
