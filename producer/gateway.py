@@ -29,9 +29,9 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producer import openai_schema as oa
 from producer.client import make_job_spec
+from producer.gateway_async import ClientGone, anext_or_none, chain, watch_disconnect
 from producer.gateway_fleet import (
     FleetView,
     GatewayRedis,
@@ -60,7 +61,6 @@ from producer.protocol import (
     encode_job_entry,
 )
 
-T = TypeVar("T")
 JOB_ID_HEADER = "Genq-Job-Id"
 RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume
 
@@ -94,10 +94,6 @@ class GatewayConfig:
             raise ValueError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
 
 
 class Gateway:
@@ -312,35 +308,3 @@ class Gateway:
 def wants_ids(request: Request) -> bool:
     """The client opted in to `id:` lines (to resume later) without resuming now."""
     return request.headers.get(RESUMABLE_HEADER, "").strip().lower() in ("1", "true", "yes")
-
-
-async def anext_or_none(it: AsyncIterator[T]) -> T | None:
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def chain(first: list[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item
-
-
-async def watch_disconnect(request: Request, work: Awaitable[T], poll_s: float = 0.25) -> T:
-    """Await `work`; raise ClientGone (and cancel it) if the HTTP client disconnects first."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
