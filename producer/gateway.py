@@ -29,9 +29,9 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producer import openai_schema as oa
 from producer.client import make_job_spec
+from producer.gateway_async import ClientGone, anext_or_none, chain, watch_disconnect
 from producer.gateway_fleet import (
     FleetView,
     GatewayRedis,
@@ -46,6 +47,7 @@ from producer.gateway_fleet import (
     check_last_event_id,
     error_status,
 )
+from producer.gateway_hub import ReplyHub
 from producer.gateway_limits import check_prompt_count
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
@@ -59,7 +61,6 @@ from producer.protocol import (
     encode_job_entry,
 )
 
-T = TypeVar("T")
 JOB_ID_HEADER = "Genq-Job-Id"
 RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume
 
@@ -100,10 +101,6 @@ class GatewayConfig:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
-
-
 class Gateway:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
@@ -115,9 +112,11 @@ class Gateway:
         # Requests reading each job now: a cut request's delayed cancel spares a job that
         # another request (a retry with the same Genq-Job-Id) reads by then.
         self._readers: dict[str, int] = {}
+        self.hub: ReplyHub | None = None  # (made in the event loop, by start())
 
     async def start(self) -> None:
-        """Nothing to start yet; the app calls it once before the first request."""
+        """In the app's event loop, before the first request."""
+        self.hub = ReplyHub(self.cfg.redis_url)
 
     async def stop(self) -> None:
         """At shutdown (after the drain): the jobs of cut streams are cancelled now, since
@@ -129,6 +128,8 @@ class Gateway:
         with contextlib.suppress(Exception):  # (Redis may be what is going away)
             await asyncio.wait_for(asyncio.gather(
                 *(self.redis.cancel(job_id) for job_id in due)), timeout=2.0)
+        if self.hub is not None:
+            await self.hub.close()
         await self.redis.close()
 
     # ------------------------------------------------------------------ submission
@@ -212,8 +213,9 @@ class Gateway:
                     self._readers[job_id] = left
 
     def reader(self, job_id: str, after: str | None = None) -> JobReader:
-        return JobReader(self.redis.blocking_conn, self.keys.reply(job_id), job_id, after,
-                         self.cfg.timeout_s + 30, self.keys.idem(job_id))
+        conn = self.redis.blocking_conn if self.hub is None else self.redis.conn
+        return JobReader(conn, self.keys.reply(job_id), job_id, after, self.cfg.timeout_s + 30,
+                         self.keys.idem(job_id), self.hub)
 
     # ------------------------------------------------------------------ answers
 
@@ -279,6 +281,7 @@ class Gateway:
 
         async def body() -> AsyncIterator[str]:
             finished = False
+            frames: list[str] = []
             try:
                 with self._reading([job_id]):
                     pending = [first] if first is not None else []
@@ -287,15 +290,18 @@ class Gateway:
                         if void is not None:  # the job runs on; only this stream ends
                             finished = True
                             await events.aclose()
-                            yield f"data: {json.dumps(void)}\n\n"
+                            yield "".join(frames) + f"data: {json.dumps(void)}\n\n"
                             return
                         head = f"id: {entry_id}\n" if with_ids else ""
-                        for data in shaper.sse_payloads(event):
-                            yield f"{head}data: {json.dumps(data)}\n\n"
+                        frames += [f"{head}data: {json.dumps(data)}\n\n"
+                                   for data in shaper.sse_payloads(event)]
                         finished = event["type"] in ("done", "error")
-                    yield "data: [DONE]\n\n"
+                        if frames and reader.batch_left == 0 and not finished:
+                            yield "".join(frames)  # (events read together: one write)
+                            frames = []
+                    yield "".join(frames) + "data: [DONE]\n\n"
             except GatewayError as exc:  # e.g. no terminal event before the deadline
-                yield f"data: {json.dumps(exc.body())}\n\n"
+                yield "".join(frames) + f"data: {json.dumps(exc.body())}\n\n"
             finally:
                 if not finished:  # the client went away (or we failed): stop the job
                     with anyio.CancelScope(shield=True):
@@ -309,35 +315,3 @@ class Gateway:
 def wants_ids(request: Request) -> bool:
     """The client opted in to `id:` lines (to resume later) without resuming now."""
     return request.headers.get(RESUMABLE_HEADER, "").strip().lower() in ("1", "true", "yes")
-
-
-async def anext_or_none(it: AsyncIterator[T]) -> T | None:
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def chain(first: list[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item
-
-
-async def watch_disconnect(request: Request, work: Awaitable[T], poll_s: float = 0.25) -> T:
-    """Await `work`; raise ClientGone (and cancel it) if the HTTP client disconnects first."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-

@@ -28,6 +28,7 @@ from producer.client import (
     REPLY_READ_COUNT,
 )
 from producer.connection import connect_async
+from producer.gateway_hub import ReplyHub, Subscription
 from producer.gateway_limits import check_queue_room
 from producer.openai_schema import GatewayError
 from producer.protocol import (
@@ -181,8 +182,10 @@ class JobReader:
     so the caller can bring its own per-stream state up to where the client is."""
 
     def __init__(self, conn: aioredis.Redis, reply_key: str, job_id: str, after: str | None,
-                 timeout_s: float, idem_key: str | None = None) -> None:
+                 timeout_s: float, idem_key: str | None = None,
+                 hub: ReplyHub | None = None) -> None:
         self.conn = conn
+        self.hub = hub  # the process's shared reader (None: XREAD on `conn` itself)
         self.reply_key = reply_key
         self.idem_key = idem_key  # its ended mark tells an expired result from a queued job
         self.job_id = job_id
@@ -190,24 +193,42 @@ class JobReader:
         self.timeout_s = timeout_s
         self.created: int | None = None  # epoch seconds of the first reply entry (its id's clock)
         self.replayed: list[dict[str, Any]] = []  # events the client had before `after`
+        self.batch_left = 0  # events read with the one just yielded, still to come
 
     async def events(self) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        sub = self.hub.subscribe(self.reply_key) if self.hub is not None else None
+        try:
+            async for item in self._events(sub):
+                yield item
+        finally:
+            if sub is not None and self.hub is not None:
+                self.hub.unsubscribe(sub)
+
+    async def _read(self, sub: Subscription | None, last: str, block_ms: int,
+                    backoff: float, end: float) -> tuple[Any, float]:
+        """-> (XREAD's answer, the next backoff)."""
+        if sub is not None and self.hub is not None:
+            entries = await self.hub.next(sub, block_ms / 1000)
+            return ([(self.reply_key, entries)] if entries else []), backoff
+        try:
+            return await self.conn.xread({self.reply_key: last}, count=REPLY_READ_COUNT,
+                                         block=block_ms), 0.05
+        except (RedisConnectionError, RedisTimeoutError):
+            # Redis is down: a refused connect fails at once, so wait before the next try
+            # (without it, every open stream spun the event loop at full CPU).
+            await asyncio.sleep(min(backoff, max(0.0, end - time.monotonic())))
+            return [], min(backoff * 2, 2.0)
+
+    async def _events(self, sub: Subscription | None
+                      ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         dedupe = ReplyDeduper()
         last = "0-0"
         end = time.monotonic() + self.timeout_s
         backoff = 0.05
         while True:
             block = int(max(1, min(BLOCK_MS, (end - time.monotonic()) * 1000)))
-            try:
-                resp: Any = await self.conn.xread({self.reply_key: last},
-                                                  count=REPLY_READ_COUNT, block=block)
-                backoff = 0.05
-            except (RedisConnectionError, RedisTimeoutError):
-                # Redis is down: a refused connect fails at once, so wait before the next try
-                # (without it, every open stream spun the event loop at full CPU).
-                await asyncio.sleep(min(backoff, max(0.0, end - time.monotonic())))
-                backoff = min(backoff * 2, 2.0)
-                resp = []
+            resp, backoff = await self._read(sub, last, block, backoff, end)
+            batch: list[tuple[str, dict[str, Any]]] = []
             for _key, entries in resp or []:
                 for raw_id, fields in entries:
                     last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
@@ -221,12 +242,16 @@ class JobReader:
                                            type_="server_error", code="bad_reply") from None
                     out = dedupe.feed(event)
                     if self.after is None or _entry_key(last) > self.after:
-                        for event in out:
-                            yield last, event
+                        batch += [(last, event) for event in out]
                     else:
                         self.replayed += out
                     if dedupe.finished:
-                        return
+                        break
+            for k, item in enumerate(batch):
+                self.batch_left = len(batch) - 1 - k
+                yield item
+            if dedupe.finished:
+                return
             if not resp and last == "0-0" and await self._expired():
                 raise GatewayError(410, f"job {self.job_id} ended, but its reply stream has "
                                    "expired (the workers' --result-ttl); submit it under a new "

@@ -75,8 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests without a seed of their own (jobs from "
                         "the producer that sample always carry one; default: %(default)s)")
-    e.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads on the CPU (default: torch's, one per core)")
+    e.add_argument("--num-threads", type=int, default=1,
+                   help="torch threads on the CPU. One, as vLLM serves: the worker shares the "
+                        "host with Redis and the gateway, and a second thread costs them more "
+                        "than it gains a small model. Raise it to the cores the worker has to "
+                        "itself (a host or container for it alone, a model whose matrices are "
+                        "large enough to split; 0: torch's default, one per core) "
+                        "(default: %(default)s)")
     e.add_argument("--attention-backend", default=None, choices=["torch", "cupy", "cuda-shim"],
                    help="torch; cupy (genq's CUDA kernels on a GPU); cuda-shim (the same kernels "
                         "on the CPU, for checks; slow) (default: cupy on a GPU when it can "

@@ -241,9 +241,9 @@ def test_openai_errors_have_the_right_status_and_shape(
     with pytest.raises(openai.BadRequestError) as unknown:
         client.completions.create(model="tiny", prompt=PROMPT, extra_body={"mirostat": 1})
     assert unknown.value.param == "mirostat"
-    with pytest.raises(openai.BadRequestError) as worker_side:  # judged by the engine
+    with pytest.raises(openai.BadRequestError) as out_of_range:  # (the protocol checks the range)
         client.completions.create(model="tiny", prompt=PROMPT, extra_body={"top_k": -5})
-    assert worker_side.value.code == "invalid_params"
+    assert out_of_range.value.code == "invalid_params"
     resp = httpx.post(f"{fleet[1].url}/v1/completions", json={"model": "tiny"}, timeout=30)
     assert resp.status_code == 400
     assert set(resp.json()["error"]) == {"message", "type", "param", "code"}

@@ -1,0 +1,141 @@
+"""One reader of reply streams per gateway process, fanned out to the requests reading them.
+
+Each request that reads a job's reply stream subscribes to its key with a cursor of its own; one
+task keeps one XREAD BLOCK in flight over every subscribed key (at the lowest cursor of each)
+and hands each subscription the entries past its cursor. An engine step's tokens for a hundred
+streams then cost one Redis read and one connection, not a hundred of each.
+
+A subscription that the XREAD in flight does not cover (a new key, or a resume that reads a
+key from its start) is picked up at once: a new reader generation starts an XREAD over all keys,
+and the older one ends once its XREAD returns (what both read is handed over once: each
+subscription's cursor drops what it already has). No Redis command beyond XREAD is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import ConnectionError as RedisConnectionError
+from redis import TimeoutError as RedisTimeoutError
+
+from producer.client import BLOCK_MS, REPLY_READ_COUNT
+
+Entry = tuple[Any, Any]  # (entry id, fields) as XREAD gives them
+
+
+def entry_key(entry_id: str | bytes) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(eq=False)
+class Subscription:
+    key: str
+    cursor: tuple[int, int] = (0, 0)  # entries up to here were handed over
+    inbox: asyncio.Queue[list[Entry]] = field(default_factory=asyncio.Queue)
+
+
+class ReplyHub:
+    def __init__(self, url: str, block_ms: int = BLOCK_MS, max_connections: int = 64) -> None:
+        self.conn = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=None, protocol=2,
+            socket_connect_timeout=5.0, socket_timeout=block_ms / 1000 + 10))
+        self.block_ms = block_ms
+        self._subs: dict[str, list[Subscription]] = {}
+        self._generation = 0  # the newest reader's; older readers end after their XREAD
+        self._in_flight: dict[str, str] | None = None  # the newest reader's blocked XREAD
+        self._restart_due = False
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def subscribe(self, key: str) -> Subscription:
+        sub = Subscription(key)
+        self._subs.setdefault(key, []).append(sub)
+        self._wake.set()
+        if not self._tasks or (self._in_flight is not None
+                               and self._in_flight.get(key) != "0-0"):
+            self._restart_soon()  # (no reader, or its XREAD does not read this key from 0)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        subs = self._subs.get(sub.key, [])
+        if sub in subs:
+            subs.remove(sub)
+        if not subs:
+            self._subs.pop(sub.key, None)
+
+    async def next(self, sub: Subscription, timeout_s: float) -> list[Entry]:
+        """The entries past the subscription's cursor, waiting up to timeout_s ([]: none)."""
+        if not sub.inbox.empty():
+            return sub.inbox.get_nowait()
+        try:
+            return await asyncio.wait_for(sub.inbox.get(), timeout_s)
+        except asyncio.TimeoutError:
+            return []
+
+    async def close(self) -> None:
+        self._generation += 1
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.conn.aclose()
+
+    # ------------------------------------------------------------------ the readers
+
+    def _restart_soon(self) -> None:
+        """A new reader generation, once per event-loop turn however many subscribe in it."""
+        if self._restart_due:
+            return
+        self._restart_due = True
+        asyncio.get_running_loop().call_soon(self._restart)
+
+    def _restart(self) -> None:
+        self._restart_due = False
+        self._generation += 1
+        task = asyncio.get_running_loop().create_task(self._run(self._generation))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, generation: int) -> None:
+        backoff = 0.05
+        while generation == self._generation:
+            if not self._subs:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            streams: dict[Any, Any] = {key: "{}-{}".format(*min(s.cursor for s in subs))
+                                       for key, subs in self._subs.items()}
+            self._in_flight = streams
+            try:
+                resp: Any = await self.conn.xread(streams, count=REPLY_READ_COUNT,
+                                                  block=self.block_ms)
+                backoff = 0.05
+            except (RedisConnectionError, RedisTimeoutError):
+                # Redis is down: each reader times out on its own deadline; retry, not spin
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            finally:
+                if generation == self._generation:
+                    self._in_flight = None
+            for raw_key, entries in resp or []:
+                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                self._dispatch(self._subs.get(key, []), entries)
+
+    @staticmethod
+    def _dispatch(subs: list[Subscription], entries: list[Entry]) -> None:
+        if not entries:
+            return
+        first, last = entry_key(entries[0][0]), entry_key(entries[-1][0])
+        for sub in subs:
+            if sub.cursor < first:
+                batch = entries  # (the common case: nothing to filter)
+            else:
+                batch = [e for e in entries if entry_key(e[0]) > sub.cursor]
+            if batch:
+                sub.inbox.put_nowait(batch)
+                sub.cursor = last
