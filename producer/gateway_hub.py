@@ -17,11 +17,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis import ConnectionError as RedisConnectionError
 from redis import TimeoutError as RedisTimeoutError
 
 from producer.client import BLOCK_MS, REPLY_READ_COUNT
+from producer.connection import connect_async
 
 Entry = tuple[Any, Any]  # (entry id, fields) as XREAD gives them
 
@@ -41,9 +41,8 @@ class Subscription:
 
 class ReplyHub:
     def __init__(self, url: str, block_ms: int = BLOCK_MS, max_connections: int = 64) -> None:
-        self.conn = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=None, protocol=2,
-            socket_connect_timeout=5.0, socket_timeout=block_ms / 1000 + 10))
+        self.conn = connect_async(url, max_connections=max_connections,
+                                  socket_timeout=block_ms / 1000 + 10)
         self.block_ms = block_ms
         self._subs: dict[str, list[Subscription]] = {}
         self._generation = 0  # the newest reader's; older readers end after their XREAD

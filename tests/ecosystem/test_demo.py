@@ -73,7 +73,8 @@ def test_demo_prints_its_figures_matches_offline_outputs_and_stops_everything(
 
 
 def test_demo_interrupted_with_ctrl_c_stops_every_process_it_started() -> None:
-    proc = demo("--jobs", "2", "--max-tokens", "4")
+    # (enough work that the interrupt lands mid-run: 2 tiny jobs could end before it arrives)
+    proc = demo("--jobs", "400", "--max-tokens", "64")
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
