@@ -104,8 +104,15 @@ class Batches:
         self.token = secrets.token_hex(8)  # this process's lease token
         self.running: set[str] = set()
         self._lock = threading.Lock()
-        self._looker = threading.Thread(target=self._look, name="genq-batches", daemon=True)
-        self._looker.start()
+        self._halt = threading.Event()
+
+    def start(self) -> None:
+        """Look for orphaned batches from now on (the app's start-up)."""
+        self._halt.clear()
+        threading.Thread(target=self._look, name="genq-batches", daemon=True).start()
+
+    def stop(self) -> None:
+        self._halt.set()
 
     # ------------------------------------------------------------------ the routes' side
 
@@ -174,7 +181,7 @@ class Batches:
 
     def _look(self) -> None:
         """Take over active batches that no process holds (at start, and every LOOK_S)."""
-        while True:
+        while not self._halt.is_set():
             try:
                 for raw in self.conn.smembers(self.keys.batches_active):
                     batch_id = as_str(raw)
@@ -187,7 +194,7 @@ class Batches:
                 log.warning("the Batch API is off in this gateway process: Redis refused its "
                             "keys (%s); grant its user the batch and file keys (README)", exc)
                 return
-            time.sleep(LOOK_S)
+            self._halt.wait(LOOK_S)
 
     def _take(self, batch_id: str) -> None:
         with self._lock:

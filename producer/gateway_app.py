@@ -74,15 +74,17 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         except RedisResponseError:  # it answered (a refusal): reachable
             pass
         await gateway.start()
+        batches.start()
         yield
+        batches.stop()
         await gateway.stop()
 
     app = FastAPI(title="genq gateway", version="1", lifespan=lifespan)
     app.state.gateway = gateway
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes,
                        paths={"/v1/files": cfg.max_file_bytes + (64 << 10)})  # (+ the form)
-    add_batch_routes(app, cfg.redis_url, gateway.keys, cfg.files_dir, cfg.max_file_bytes,
-                     cfg.batch_priority)
+    batches = add_batch_routes(app, cfg.redis_url, gateway.keys, cfg.files_dir,
+                               cfg.max_file_bytes, cfg.batch_priority)
 
     @app.exception_handler(GatewayError)
     async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:

@@ -82,8 +82,9 @@ def test_a_command_that_cannot_reach_redis_says_so_in_one_line(command: list[str
                                      ["bench", "--model", "m"], ["worker", "--model", "m"],
                                      ["gateway"]])
 @pytest.mark.parametrize("flag, value, error", [
-    ("--redis", "localhost:6379", "argument --redis: Redis URL must specify one of the "
-                                  "following schemes (redis://, rediss://, unix://)"),
+    ("--redis", "localhost:6379", "argument --redis: bad Redis URL (?://...): no scheme. Use "
+                                  "redis://host:port/db, rediss://..., unix:///path.sock, or "
+                                  "redis+sentinel://host:port[,host:port]/service_name[/db]"),
     ("--prefix", "a b", "argument --prefix: key prefix 'a b' must be 1-128 characters from "
                         "[A-Za-z0-9_.:-]"),
 ])
