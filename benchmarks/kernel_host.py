@@ -72,7 +72,7 @@ def per_layer_planning(launcher: kernels.Launcher, qkv: Layer, cache: torch.Tens
                                seq_lens[:nd], max(meta.seq_lens_list[:nd]), scale)
     for launch in launches:
         launcher.function(launch.kernel, launch.variant)(launch.grid, launch.block,
-                                                         kernels.marshal(launch.args))
+                                                         kernels.launch_params(launch.args))
     return out
 
 

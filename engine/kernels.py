@@ -5,7 +5,7 @@ The only module that imports cupy or reads cuda/ (the CPU shim, engine/attention
 takes the cuda/ path and digest from here). Planning is pure torch: `decode`, `prefill`,
 `reshape_and_cache` and `copy_blocks` validate their tensors and return `Launch` records (kernel
 name expression, grid, block, arguments in the kernel's parameter order, sized exactly: int32 for
-`int`, int64 for `long long`, float32 for `float`, a tensor for a pointer). `marshal` turns a
+`int`, int64 for `long long`, float32 for `float`, a tensor for a pointer). `launch_params` turns a
 record's arguments into what cuLaunchKernel takes (a raw pointer per tensor, the sized scalars);
 a `Launcher` executes marshalled launches: `CupyLauncher` on a GPU (one RawModule per (dtype,
 head size, block size), compiled by NVRTC and cached, launched on torch's current stream), the g++
@@ -92,7 +92,7 @@ class Launcher(Protocol):
         """The launch function of one kernel, looked up (and compiled) once per variant."""
 
 
-def marshal(args: tuple[KernelArg, ...]) -> tuple[Param, ...]:
+def launch_params(args: tuple[KernelArg, ...]) -> tuple[Param, ...]:
     """A launch's arguments as cuLaunchKernel takes them: each tensor as its raw pointer (uint64,
     0 when empty), each sized scalar as it is. Host memory next to device memory in one launch
     must be pinned: cudaHostAlloc memory is mapped at the same address on the device (unified
@@ -118,7 +118,7 @@ def run_launches(launches: list[Launch], launcher: Launcher | None = None) -> No
         run = launcher or CupyLauncher(next(a.device for a in launch.args if isinstance(
             a, torch.Tensor) and a.device.type == "cuda"))
         run.function(launch.kernel, launch.variant)(launch.grid, launch.block,
-                                                     marshal(launch.args))
+                                                     launch_params(launch.args))
 
 
 def _cupy() -> Any:

@@ -4,8 +4,8 @@ A step's launches depend on its metadata (block tables, lengths, grids, scratch 
 the shapes of the layer tensors, which every layer shares; between layers only the layer tensors'
 addresses change (the query, this step's keys and values, the output, the layer's K and V cache).
 `LayerLaunches` takes the first layer's launch records, marshals them once (engine/kernels.py's
-`marshal`, the same for CuPy and the CPU shim) and notes which parameters are the layer tensors'
-addresses; every layer then writes its own addresses there and launches.
+`launch_params`, the same for CuPy and the CPU shim) and notes which parameters are the layer
+tensors' addresses; every layer then writes its own addresses there and launches.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class LayerLaunches:
         spans = [_span(t) for t in layer if t.numel()]
         self._prepared = []
         for launch in launches:
-            params = list(kernels.marshal(launch.args))
+            params = list(kernels.launch_params(launch.args))
             holes = []
             for i, (arg, param) in enumerate(zip(launch.args, params)):
                 if isinstance(arg, torch.Tensor) and arg.numel():

@@ -1,7 +1,7 @@
 """The engine through attention_backend="cuda-shim": the unchanged cuda/ kernels, launched by the
 same CupyAttentionBackend code as on a GPU (planned once per step, marshalled by
-engine.kernels.marshal), executed by the g++ shim build. Greedy output equals transformers token
-for token with head sizes 64 (GQA) and 128 (MQA), for whole and chunked prefill, swap and
+engine.kernels.launch_params), executed by the g++ shim build. Greedy output equals transformers
+token for token with head sizes 64 (GQA) and 128 (MQA), for whole and chunked prefill, swap and
 recompute preemption (injected and from a small cache), prefix caching, fresh prompts by SDPA, and
 a context over 512 tokens; n=2 and beam search (copy-on-write through copy_blocks) equal the torch
 backend; bf16 stays within a stated distance of the torch backend's log-probabilities."""
