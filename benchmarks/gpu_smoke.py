@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 # Imported before anything runs, so that a package the lent machine lacks shows at once.
 from engine import LLM, SamplingParams
 from engine.attention.kernel_check import KernelCheckError, check_kernels
-from tests.tiny_models import VOCAB_SIZE, build_tokenizer
+from tests.tiny_models import build_kernel_llama
 
 VARIANTS = ((torch.float32, 64, 16), (torch.bfloat16, 128, 16))  # the smoke model's, a served one
 NUM_PROMPTS, MAX_TOKENS = 4, 16
@@ -65,24 +65,6 @@ def check_variants(device: torch.device) -> list[dict[str, Any]]:
         results.append({"variant": f"{str(dtype).removeprefix('torch.')}/h{head}/b{block}",
                         "seconds": round(time.perf_counter() - start, 2), "error": error})
     return results
-
-
-def build_tiny_llama(path: Path) -> Path:
-    """A random Llama with head size 64 (2 layers, GQA 4/2) and the tests' tokenizer, saved in
-    float32 with sharpened weights so greedy decoding has no near-ties."""
-    build_tokenizer(path)
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-                         hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, rms_norm_eps=1e-5)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(3.0)
-    model.save_pretrained(str(path))
-    return path
 
 
 def generate_equals_transformers(model_dir: Path) -> dict[str, Any]:
@@ -130,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 report["generate"] = gen = generate_equals_transformers(
-                    build_tiny_llama(Path(tmp)))
+                    build_kernel_llama(Path(tmp)))
             same = not gen["mismatched_prompts"]
             print(f"generate: {gen['prompts']} prompts x {gen['max_tokens']} tokens "
                   f"{'equal to' if same else 'DIFFER from'} transformers (prompts differing: "

@@ -19,8 +19,9 @@ budget (max_num_seqs):
 
 Preempted groups go back into their queue in arrival order, so FCFS holds across preemptions.
 
-Under scheduling_policy "priority" (vLLM's), "oldest" reads "most urgent": every queue is
-ordered by (priority, arrival), lower first, and preemption takes the least urgent running group.
+Under scheduling_policy "priority" (vLLM's), "oldest" reads "most urgent": the waiting and
+swapped queues are ordered by (priority, arrival), lower first, the running queue by priority
+(admission order within one), and preemption takes the least urgent running group.
 Before step 1, while the most urgent waiting group cannot be admitted (cache or sequence budget)
 and a less urgent group runs, the least urgent running group is preempted for it. Swapped groups
 block only waiting groups that are not more urgent, and are swapped in only ahead of waiting
@@ -79,7 +80,10 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self._rng = random.Random(config.artificial_preemption_seed)
+        # "priority" with more than one priority seen: with one (every request at 0, the usual
+        # case) the policy schedules as FCFS, so the step skips its work altogether.
         self._by_priority = config.scheduling_policy == "priority"
+        self._priorities: set[int] = set()
         self._preempted_last_step = False
         # num_prompt_tokens: the tokens of the sequences admitted from the waiting queue (a
         # recomputed one's outputs too); num_cached_tokens: those the prefix cache served.
@@ -90,6 +94,7 @@ class Scheduler:
 
     # -- queues ----------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
+        self._priorities.add(group.priority)
         _insert_by_rank(self.waiting, group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -121,8 +126,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.block_manager.cache_computed()  # (the last step's keys and values are written)
-        if self._by_priority:
-            self.running = deque(sorted(self.running, key=_rank))  # (sorted already, mostly)
+        if self._by_priority and len(self._priorities) > 1:
+            # Least urgent last, admission order within a priority (a stable sort): preemption
+            # takes victims from the tail, as under FCFS.
+            self.running = deque(sorted(self.running, key=_priority))
             if self.waiting and self.running:
                 self._preempt_for_urgent(out)
         self._schedule_running(out, budget)
@@ -407,6 +414,10 @@ class Scheduler:
         group.error = error
         group.status = SequenceStatus.FINISHED
         out.finished.append(group)
+
+
+def _priority(group: SequenceGroup) -> int:
+    return group.priority
 
 
 def _rank(group: SequenceGroup) -> tuple[int, float]:

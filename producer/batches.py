@@ -192,7 +192,8 @@ class Batches:
                 log.warning("looking for batches to run failed: %s", exc)
             except redis.ResponseError as exc:  # e.g. an ACL without the batch keys
                 log.warning("the Batch API is off in this gateway process: Redis refused its "
-                            "keys (%s); grant its user the batch and file keys (README)", exc)
+                            "keys (%s); grant its user the batch and file keys "
+                            "(docs/security.md)", exc)
                 return
             self._halt.wait(LOOK_S)
 

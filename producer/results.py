@@ -25,10 +25,10 @@ come (a pass costs ~7 us of client and Redis CPU per changed stream: ~15% of a c
 the interval shrinks, so the last ones are seen within a few ms of their ends (results come back
 when all have ended, so only the last ones' matter).
 
-A Redis user that may not run the script (an ACL without the README's selector for it, which
-grants EVALSHA and XREVRANGE on reply streams) waits on XREAD alone, paced the same way: every
-new entry is sent, but only each stream's newest one is decoded. The refusal is remembered per
-connection.
+A Redis user that may not run the script (an ACL without the selector docs/security.md gives
+it, which grants EVALSHA and XREVRANGE on reply streams) waits on XREAD alone, paced the same
+way: every new entry is sent, but only each stream's newest one is decoded. The refusal is
+remembered per connection.
 
 Measured (minimal model, one worker, redis-server and the client on 2 shared cores, old and new
 alternating in one process): 256 jobs streaming 64 tokens each, this function's CPU 15-19 -> 4-5
@@ -105,8 +105,8 @@ def reply_expired(conn: redis.Redis, idem_key: str, reply_key: str) -> bool:
     """Whether a job's result expired unread: its idempotency key carries the worker's ended
     mark and its reply stream is gone. Read in that order: the mark is written with the terminal
     event, so a stream missing after the mark was seen has expired. False when this user may not
-    read the key (an ACL without the README's GET on idem keys) or Redis cannot be reached: the
-    caller waits as before."""
+    read the key (an ACL without docs/security.md's GET on idem keys) or Redis cannot be
+    reached: the caller waits as before."""
     pipe = conn.pipeline(transaction=False)
     pipe.get(idem_key)
     pipe.exists(reply_key)

@@ -88,3 +88,33 @@ def build_model(arch: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> Pa
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, path / f.name)
     return path
+
+
+def build_kernel_llama(path: Path, tokenizer_dir: Path | None = None, heads: int = 4,
+                       kv_heads: int = 2, head: int = 64, tie: bool = False) -> Path:
+    """A 2-layer random Llama whose head size the CUDA kernels serve (64 by default, GQA 4/2),
+    saved in float32 with its weights sharpened so greedy decoding has no near-ties, with the
+    tests' tokenizer (copied from `tokenizer_dir`, or built)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                         hidden_size=heads * head, intermediate_size=2 * heads * head,
+                         num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                         rms_norm_eps=1e-5, tie_word_embeddings=tie)
+    torch.manual_seed(heads * 1000 + head)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(3.0)
+    model.save_pretrained(str(path))
+    if tokenizer_dir is None:
+        build_tokenizer(path)
+    else:
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, path / f.name)
+    return path

@@ -155,8 +155,8 @@ class Writer(threading.Thread):
                     self.mark_ended = False
                     log.warning("this worker's Redis user may not use genq:idem:* keys (%s): "
                                 "jobs finish without the mark that lets clients tell an expired "
-                                "result from a queued job; add ~genq:idem:* to its ACL (README)",
-                                exc)
+                                "result from a queued job; add ~genq:idem:* to its ACL "
+                                "(docs/security.md)", exc)
                     continue
                 log.error("redis refused a write (%s); dropping it", exc)
                 for fin in batch.finishes:

@@ -8,7 +8,6 @@ backend; bf16 stays within a stated distance of the torch backend's log-probabil
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.attention.cupy_backend import CupyAttentionBackend
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.kernels.cpu_kernels import CountingLauncher
-from tests.tiny_models import VOCAB_SIZE
+from tests.tiny_models import build_kernel_llama
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -39,23 +38,7 @@ def shim_llm(model: Path, **config: object) -> tuple[LLM, CountingLauncher]:
 
 
 def build_llama(root: Path, tokenizer_dir: Path, heads: int, kv_heads: int, head: int) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-                         hidden_size=heads * head, intermediate_size=2 * heads * head,
-                         num_hidden_layers=2, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=1024,
-                         rms_norm_eps=1e-5, tie_word_embeddings=True)
-    torch.manual_seed(heads * 1000 + head)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(3.0)  # sharpen logits so greedy decoding has no near-ties
-    model.save_pretrained(str(root))
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, root / f.name)
-    return root
+    return build_kernel_llama(root, tokenizer_dir, heads, kv_heads, head, tie=True)
 
 
 @pytest.fixture(scope="module")

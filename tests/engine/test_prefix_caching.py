@@ -326,7 +326,7 @@ def test_forks_and_seeded_sampling_are_unchanged_by_prefix_caching(kind, preempt
 
 
 @pytest.mark.parametrize("flag,expected", [
-    ([], False),  # (off by default: README, Benchmarks)
+    ([], False),  # (off by default: docs/benchmarks.md)
     (["--enable-prefix-caching"], True),
     (["--no-enable-prefix-caching"], False)])
 def test_genq_worker_passes_its_flag_to_the_engine(flag, expected, tiny_llama):

@@ -1,7 +1,7 @@
 """Client.results against a real redis-server, the test playing the worker's part: only each
 reply stream's last entry is decoded (earlier entries are garbage here, which would fail to
 decode), streams may appear late, more than 512 streams are waited on, Redis restarts, and a user
-the README's producer ACL limits to XREAD waits the same way without the script."""
+docs/security.md's producer ACL limits to XREAD waits the same way without the script."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def streamed(server: RedisServer, job_id: str, ids: list[int]) -> dict[str, obje
 
 
 def producer_url(server: RedisServer, results_script: bool = True) -> str:
-    """A URL for user genq-producer with the README's producer ACL lines, or without
+    """A URL for user genq-producer with docs/security.md's producer ACL lines, or without
     `results_script` those lines less the selector for Client.results' script (an ACL written
     before it) (made now: a restarted server has forgotten it)."""
     rules = [r for r in ACL_RULES["genq-producer"] if results_script or r != RESULTS_SELECTOR]
@@ -63,7 +63,7 @@ def producer_url(server: RedisServer, results_script: bool = True) -> str:
 
 @pytest.fixture(params=["script", "producer-acl", "xread-only"])
 def client(request: pytest.FixtureRequest, redis_server: RedisServer) -> Iterator[Client]:
-    """A Client as the default user or the README's producer user (the script path), or as a
+    """A Client as the default user or docs/security.md's producer user (the script path), or as a
     producer whose ACL lacks the script's selector (the XREAD-only path)."""
     url = {"script": lambda: redis_server.url,
            "producer-acl": lambda: producer_url(redis_server),
@@ -184,7 +184,7 @@ def test_an_acl_without_the_scripts_selector_is_refused_it_once_per_connection(
     assert [(e["reason"], e["object"], e["username"], e["count"]) for e in log] == [
         ("key", "genq:reply:p1", "genq-producer", 1)]
     admin.execute_command("ACL", "LOG", "RESET")
-    with Client(producer_url(redis_server)) as client:  # the README's lines allow it
+    with Client(producer_url(redis_server)) as client:  # docs/security.md's lines allow it
         assert client.results([client.job("p1")], timeout=10) == [end]
         assert client.blocking_redis not in _SCRIPT_REFUSED
     assert admin.acl_log() == []

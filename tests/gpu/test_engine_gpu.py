@@ -5,14 +5,13 @@ cache."""
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.tiny_models import VOCAB_SIZE
+from tests.tiny_models import build_kernel_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,23 +28,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llama_head64(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     """A tiny Llama whose head size (64) the CUDA kernels support; GQA 4 query / 2 KV heads."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    path = tmp_path_factory.mktemp("llama_head64")
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-                         hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, rms_norm_eps=1e-5)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(3.0)  # sharpen logits so greedy decoding has no near-ties
-    model.save_pretrained(str(path))
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    return path
+    return build_kernel_llama(tmp_path_factory.mktemp("llama_head64"), tokenizer_dir)
 
 
 def prompts(num: int, seed: int, lo: int, hi: int) -> list[list[int]]:

@@ -1,9 +1,9 @@
 """A redis-server with ACL users (and optionally TLS only), the genq ACL lines, and test
 certificates made with the openssl CLI.
 
-The ACL lines here are the ones the README documents: the tests run a real worker, producer and
-gateway through them, so a command genq starts to need shows up as a failing test (and as an entry
-in ACL LOG), not as a surprise in production.
+The ACL lines here are the ones docs/security.md documents: the tests run a real worker,
+producer and gateway through them, so a command genq starts to need shows up as a failing test
+(and as an entry in ACL LOG), not as a surprise in production.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class SecureRedis:
 
     def acl_file(self) -> Path:
         """The users file the server loads: the default (admin) user with a password, then the
-        genq users exactly as the README's lines."""
+        genq users exactly as docs/security.md's lines."""
         path = self.dir / "users.acl"
         lines = [f"user default on >{ADMIN_PASSWORD} ~* &* +@all"]
         path.write_text("\n".join(lines + [acl_line(user) for user in ACL_RULES]) + "\n")

@@ -1,6 +1,6 @@
 """Redis ACL: a worker, producers and the gateway do all their work as users limited to genq's
 keys, genq's cancel channel and the commands they need (secure_redis.ACL_RULES, the lines the
-README documents), and those users can do nothing else.
+docs/security.md documents), and those users can do nothing else.
 
 "Nothing was denied" is checked through ACL LOG: a command genq needs but the lines lack would be
 logged there (and fail), even on a path whose caller swallows the error.
