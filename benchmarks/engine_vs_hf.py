@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.chart import save_bars
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TOKENIZER = ROOT / "models" / "genq-tiny-stdlib"
@@ -164,6 +166,12 @@ def main() -> None:
     slim = {k: ({kk: vv for kk, vv in v.items() if kk != "token_ids"} if isinstance(v, dict)
                 else v) for k, v in results.items()}
     (RESULTS / "engine_vs_hf.json").write_text(json.dumps(slim, indent=2))
+    bars = [("genq engine", eng["out_tok_s"])]
+    bars += [(label, results[key]["out_tok_s"]) for key, label in
+             (("transformers", "transformers, static batches"), ("vllm_cpu", "vLLM CPU"))
+             if key in results]
+    save_bars("engine_vs_hf", "output tokens/s (same requests, one run)", bars,
+              title=f"{args.requests} requests, greedy, tiny Llama")
 
 
 if __name__ == "__main__":

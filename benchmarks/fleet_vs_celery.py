@@ -42,6 +42,8 @@ from typing import Any
 
 import redis
 
+from benchmarks.chart import save_bars
+
 REPO = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- the Celery side (imported by
@@ -338,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                               ("running_256_thread", "tiny-thread")):
                 figures[key].append(genq_running_256(client, name, pids[name], procs[0].pid))
         report(figures)
+        chart(figures)
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
     finally:
@@ -422,6 +425,15 @@ def report(f: dict[str, Any]) -> None:
         print(f"token events/s into the writer alone, 256 owned entries, {mode}: "
               f"{m['token_events_per_s']:.0f} ({m['xadds']} XADDs for {m['token_events']} "
               "events)")
+
+
+def chart(f: dict[str, Any]) -> None:
+    """Median jobs/s of each side's rounds (they alternated, so both saw the same machine)."""
+    bars = [(label, statistics.median(row[key]["jobs_per_s"] for row in f["rounds"]))
+            for label, key in (("genq, 1 CPU worker", "genq"), ("Celery echo, 2 prefork", "celery"))
+            if all(key in row for row in f["rounds"])]
+    save_bars("fleet_vs_celery", "round trips/s (max_tokens=1), median of rounds", bars,
+              title="genq fleet vs Celery on the same Redis")
 
 
 if __name__ == "__main__":

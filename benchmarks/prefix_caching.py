@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.chart import save_bars
+
 
 def workload(num: int, system_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -100,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             if r:
                 rounds.append(row)
     report(rounds, args)
+    save_bars("prefix_caching", "output tokens/s, median of rounds", [
+        (label, statistics.median(row[on]["output_tokens_per_s"] for row in rounds))
+        for label, on in (("genq, prefix caching on", True), ("genq, prefix caching off", False))],
+        title=f"{args.requests} requests sharing a {args.system}-token system prompt")
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"off": row[False], "on": row[True]} for row in rounds], indent=2))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.chart import save_bars
 from benchmarks.fleet_vs_celery import REPO, free_port, start_redis, stop_all, wait_until
 
 TOOLS = Path("/work/shared/tools")
@@ -178,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
             report(row, rates, f"round {k + 1} ({' then '.join(order)} at each rate)")
     finally:
         stop_all(procs)
+    save_bars("serving_vs_vllm", "output tokens/s, mean of rounds", [
+        (f"{side} at rate {rate}", statistics.mean(r[side][rate]["output_throughput"]
+                                                    for r in rounds))
+        for rate in rates for side in (rounds[0] if rounds else {})],
+        title=f"gateway vs vllm serve, {args.num_prompts} prompts of {args.input_len} tokens")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                "rounds": rounds}, indent=2))
