@@ -33,16 +33,17 @@ def genq_keys(server: RedisServer) -> int:
 
 
 def run_jobs(client: Client, prompts: list[str]) -> tuple[list[dict[str, Any]], float]:
-    """Submit in pipelined batches from one thread while this one reads every result in order
-    (so none expires unread); returns the results and the wall time from first submit to last
-    result."""
-    jobs: list[Job] = []
+    """Submit in pipelined batches from one thread while this one reads each batch's results as
+    it ends, in a few round trips a batch: the reader keeps up with the workers however slow the
+    machine, so no result expires (--result-ttl) before it is read. Returns the results and the
+    wall time from first submit to last result."""
+    batches: list[list[Job]] = []
     failure: list[BaseException] = []
 
     def submit() -> None:
         try:
             for i in range(0, len(prompts), BATCH):
-                jobs.extend(client.submit_many(prompts[i:i + BATCH], PARAMS, model="tiny"))
+                batches.append(client.submit_many(prompts[i:i + BATCH], PARAMS, model="tiny"))
         except BaseException as exc:  # surfaced by the reader below
             failure.append(exc)
 
@@ -50,10 +51,12 @@ def run_jobs(client: Client, prompts: list[str]) -> tuple[list[dict[str, Any]], 
     submitter = threading.Thread(target=submit, name="submitter")
     submitter.start()
     results: list[dict[str, Any]] = []
+    read = 0
     while len(results) < len(prompts):
         assert not failure, failure
-        if len(results) < len(jobs):
-            results.append(jobs[len(results)].result(timeout=120))
+        if read < len(batches):
+            results.extend(client.results(batches[read], timeout=300))
+            read += 1
         else:
             time.sleep(0.001)
     elapsed = time.monotonic() - start
