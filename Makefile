@@ -43,7 +43,7 @@ lint: setup
 	$(VENV)/bin/mypy engine worker producer
 
 test: setup lint
-	$(VPY) -m pytest -q -x tests
+	$(VPY) -m pytest -q -x --durations=25 tests
 
 clean:
 	rm -rf $(VENV)
