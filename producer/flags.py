@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from producer.protocol import DEFAULT_PREFIX, Limits, ProtocolError, validate_name
+from producer.limits import Limits
+from producer.protocol import DEFAULT_PREFIX, ProtocolError, validate_name
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -48,15 +48,10 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import redis
 
-from producer.protocol import (
-    DEFAULT_MAX_EVENT_BYTES,
-    EVENT_TYPES,
-    REPLY_FIELD,
-    TERMINAL_EVENT_TYPES,
-    ProtocolError,
-    as_str,
-    decode_event,
-)
+from producer.errors import JobError, ProtocolError, ResultExpired
+from producer.events import EVENT_TYPES, TERMINAL_EVENT_TYPES, TerminalEvent, decode_event
+from producer.protocol import DEFAULT_MAX_EVENT_BYTES, REPLY_FIELD, as_str
+from producer.reply_reader import result_from_events
 
 if TYPE_CHECKING:
     from producer.client import Job
@@ -141,8 +136,6 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
     first in order, once every job has ended), or with `return_exceptions` stands in the list in
     place of its result. When `timeout` seconds pass with jobs unfinished: TimeoutError, or with
     `return_exceptions` one in place of each unfinished job."""
-    from producer.client import JobError
-
     out: list[Any] = [None] * len(jobs)
     for index, value in iter_results(conn, jobs, timeout):
         if isinstance(value, TimeoutError) and not return_exceptions:
@@ -242,8 +235,6 @@ class _Wait:
         """Jobs whose stream has shown no entry yet: those whose result expired unread
         (reply_expired, for many: one MGET of marks per 512, then EXISTS for the marked) end
         with ResultExpired."""
-        from producer.client import ResultExpired
-
         never = [k for k in self.waiting if self.seen[k] == "0-0"]
         for lo in range(0, len(never), _STREAMS_PER_READ):
             chunk = never[lo:lo + _STREAMS_PER_READ]
@@ -300,8 +291,6 @@ class _Wait:
 
     def _newest(self, key: str, entry_id: str, value: bytes | None) -> None:
         """`value`: the event field of the entry `entry_id`, the newest of stream `key`."""
-        from producer.client import JobError, result_from_events
-
         if value is None:
             raise ProtocolError("missing_field", f"entry {entry_id} of {key} has no field "
                                                  f"{REPLY_FIELD!r}")
@@ -325,7 +314,7 @@ def _refused(exc: redis.ResponseError) -> bool:
         "user executing the script" in text or "unknown command" in text)
 
 
-def _terminal_event(value: bytes) -> dict[str, Any] | None:
+def _terminal_event(value: bytes) -> TerminalEvent | None:
     """The terminal event `value` holds, strictly decoded; None when it holds another event: of
     that one only the type is read (a quarter of decode_event's cost). ProtocolError when it is
     not an event."""
@@ -338,4 +327,4 @@ def _terminal_event(value: bytes) -> dict[str, Any] | None:
         if isinstance(kind, str) and kind in _NOT_TERMINAL:
             return None
     event = decode_event(value)
-    return event if event["type"] in TERMINAL_EVENT_TYPES else None
+    return event if event["type"] == "done" or event["type"] == "error" else None

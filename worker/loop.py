@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 from producer.connection import RETRYABLE, connect
-from producer.protocol import Keys, started_event
+from producer.events import started_event
+from producer.protocol import Keys
 from worker.admission import Admission, Admitted, Rejection, free_capacity
 from worker.batch import Batch, EventWrite
 from worker.cancel import CancelListener, Cancels
