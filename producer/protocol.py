@@ -206,7 +206,7 @@ def check_job_spec(spec: JobSpec) -> JobSpec:
     wire = spec.to_wire()
     checked = _job_from_map(wire)
     try:
-        _pack(wire)  # encodes every string as UTF-8 in C (~1 us); the walk below names the bad one
+        _pack(wire)  # encodes every string as UTF-8 in C, cheaply; the walk below names the bad one
     except UnicodeEncodeError:
         _check_text(wire, "", checked.id)
         raise
