@@ -1,11 +1,16 @@
-"""No import cycles among producer/ and worker/ modules: every import that runs (at the top of a
-module or inside a function; not those only a type checker reads) is an edge, and the graph of
-those edges has no cycle."""
+"""Rules about the code of producer/ and worker/ themselves.
+
+- No import cycles: every import that runs (at the top of a module or inside a function; not
+  those only a type checker reads) is an edge, and the graph of those edges has no cycle.
+- Reply events are built only by their constructors in producer/events.py: no other module
+  writes a map literal with an event's "type"."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+from producer.events import EVENT_TYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("producer", "worker")
@@ -34,9 +39,13 @@ def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
     return found & modules
 
 
+def module_files() -> dict[str, Path]:
+    return {f"{p.parent.name}.{p.stem}": p for pkg in PACKAGES
+            for p in (ROOT / pkg).glob("*.py") if p.stem != "__init__"}
+
+
 def import_graph() -> dict[str, set[str]]:
-    files = {f"{p.parent.name}.{p.stem}": p for pkg in PACKAGES
-             for p in (ROOT / pkg).glob("*.py") if p.stem != "__init__"}
+    files = module_files()
     modules = set(files)
     return {name: _imports(ast.parse(path.read_text()), modules) - {name}
             for name, path in files.items()}
@@ -75,3 +84,21 @@ def test_producer_and_worker_modules_import_no_cycle() -> None:
     assert {"producer.client", "producer.results", "worker.loop", "worker.quarantine"} <= set(graph)
     assert "producer.errors" in graph["producer.results"]  # (the graph sees real edges)
     assert find_cycle(graph) is None
+
+
+def event_literals(tree: ast.AST) -> list[int]:
+    """Lines of map literals whose "type" is a reply event's type."""
+    kinds = {*EVENT_TYPES, "restart"}
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Dict) and any(
+        isinstance(k, ast.Constant) and k.value == "type" and isinstance(v, ast.Constant)
+        and v.value in kinds for k, v in zip(node.keys, node.values, strict=True))]
+
+
+def test_the_event_literal_finder_finds_one() -> None:
+    assert event_literals(ast.parse('x = {"a": 1, "type": "tokens"}\ny = {"type": "x"}')) == [1]
+
+
+def test_reply_events_are_built_only_by_their_constructors() -> None:
+    found = {name: event_literals(ast.parse(path.read_text()))
+             for name, path in module_files().items() if name != "producer.events"}
+    assert {name: lines for name, lines in found.items() if lines} == {}
