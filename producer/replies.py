@@ -1,6 +1,6 @@
 """What a client sees of a reply stream that may hold several attempts of one job.
 
-Rules (shared by Client and AsyncClient):
+Rules (the reply reader's, producer/reply_reader.py, under Job, AsyncJob and the gateway):
 - events of an attempt older than the newest seen are dropped (a superseded worker's leftovers);
 - each (sequence index, position) is delivered once across attempts: a replay's tokens that were
   already delivered are swallowed and only the new suffix is yielded;
