@@ -124,11 +124,11 @@ def _output_map(job: ActiveJob, prompt_ids: list[int], comp: CompletionOutput) -
     the end, whole, under indices of its own: its final output is all there is."""
     index = comp.index
     out: Output = {"index": index, "token_ids": job.token_ids.get(index, []),
-                           "text": "".join(job.texts.get(index, [])),
-                           "finish_reason": comp.finish_reason,
-                           "cumulative_logprob": None if comp.cumulative_logprob is None
-                           else float(comp.cumulative_logprob),
-                           "stop_reason": comp.stop_reason}
+                   "text": "".join(job.texts.get(index, [])),
+                   "finish_reason": comp.finish_reason,
+                   "cumulative_logprob": None if comp.cumulative_logprob is None
+                   else float(comp.cumulative_logprob),
+                   "stop_reason": comp.stop_reason}
     if comp.logprobs is not None:
         out["logprobs"] = _logprobs(job, prompt_ids, index, 0)
     return out

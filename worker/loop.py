@@ -194,8 +194,7 @@ class Worker:
         """After a step: refresh the stats; while the writer is behind (e.g. Redis is down),
         wait for it, until a stop request (the drain that follows bounds the rest)."""
         self._stats = self.engine.stats()
-        while self.writer.backlog() > 8 and not self._drain_expired() and not (
-                self._drain_end is None and self.stop_requested.is_set()):
+        while self.writer.backlog() > 8 and not self.stopping():
             time.sleep(0.002)
             self.held.take_writer_feedback()
 
