@@ -167,7 +167,8 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
     """The writer thread alone: `num_jobs` owned entries, one token per job per step. `per_step`
     waits for each step's round trip (no coalescing: one XADD per event); `free_running` lets
     steps queue up while a round trip is in flight (merged into one tokens event per job)."""
-    from producer.protocol import Keys, tokens_event
+    from producer.events import tokens_event
+    from producer.protocol import Keys
     from worker.batch import Batch, EventWrite
     from worker.io_thread import Writer
 

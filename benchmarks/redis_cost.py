@@ -28,7 +28,8 @@ from typing import Any
 import redis
 
 from producer.client import Client
-from producer.protocol import Keys, as_str, done_event, encode_event, tokens_event
+from producer.events import done_event, encode_event, tokens_event
+from producer.protocol import Keys, as_str
 from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer
 

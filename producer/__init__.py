@@ -1,8 +1,8 @@
 """genq producer: what applications import to submit jobs (never imports torch or the engine)."""
 
 from producer.async_client import AsyncClient, AsyncJob
-from producer.client import Client, Job, JobError, ResultExpired
-from producer.protocol import ProtocolError
+from producer.client import Client, Job
+from producer.errors import JobError, NotReplicated, ProtocolError, ResultExpired
 
-__all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobError", "ProtocolError",
-           "ResultExpired"]
+__all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobError", "NotReplicated",
+           "ProtocolError", "ResultExpired"]

@@ -8,29 +8,19 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis import ConnectionError as RedisConnectionError
-from redis import TimeoutError as RedisTimeoutError
 
 from producer import connection
 from producer.client import (
-    BLOCK_MS,
     DEFAULT_URL,
-    REPLY_READ_COUNT,
     ClientSettings,
-    JobError,
     Messages,
     Prompt,
-    ResultExpired,
     make_job_spec,
-    result_from_events,
 )
-from producer.protocol import (
-    SUBMIT_LUA,
-    JobSpec,
-    as_str,
-    decode_reply_entry,
-)
-from producer.replies import ReplyDeduper
+from producer.errors import JobError, ResultExpired
+from producer.events import ClientEvent, DoneEvent
+from producer.protocol import SUBMIT_LUA, JobSpec, as_str
+from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, result_from_events
 from producer.results import reply_expired_async
 
 
@@ -151,53 +141,45 @@ class AsyncJob:
         return f"AsyncJob(id={self.id!r}, model={self.model!r})"
 
     async def raw_events(self, timeout: float | None = None,
-                         last_id: str = "0-0") -> AsyncIterator[dict[str, Any]]:
-        end = None if timeout is None else time.monotonic() + timeout
-        backoff = 0.05
+                         last_id: str = "0-0") -> AsyncIterator[ClientEvent]:
+        reader = ReplyReader(timeout, time.monotonic(), dedupe=False, cursor=last_id)
+        async for _entry_id, event in self._read(reader):
+            yield event
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[ClientEvent]:
+        async for _entry_id, event in self._read(ReplyReader(timeout, time.monotonic())):
+            yield event
+
+    async def result(self, timeout: float | None = 60.0) -> DoneEvent:
+        reader = ReplyReader(timeout, time.monotonic())
+        async for _item in self._read(reader):
+            pass
+        return result_from_events(self.id, reader.terminal)
+
+    async def _read(self, reader: ReplyReader) -> AsyncIterator[tuple[str, ClientEvent]]:
+        """Job._read's mirror."""
         conn = self.client.blocking_redis
         while True:
-            block = BLOCK_MS if end is None else int(max(1, min(BLOCK_MS,
-                                                                (end - time.monotonic()) * 1000)))
             try:
-                resp = await conn.xread({self.reply_key: last_id}, count=REPLY_READ_COUNT,
-                                        block=block)
-                backoff = 0.05
-            except (RedisConnectionError, RedisTimeoutError):
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                resp = []
-            entries_by_key: Any = resp or []
-            for _key, entries in entries_by_key:
-                for entry_id, fields in entries:
-                    last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    yield decode_reply_entry(fields)
-            if not entries_by_key and last_id == "0-0" and await self._expired():
-                raise ResultExpired(self.id)
-            caught_up = sum(len(entries) for _key, entries in entries_by_key) < REPLY_READ_COUNT
-            if end is not None and time.monotonic() >= end and caught_up:
-                # (a stream read in full batches is read on: a job that ended in time is not
-                # reported late for the entries in front of its end)
-                raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")
-
-    async def _expired(self) -> bool:
-        return await reply_expired_async(self.client.redis, self.client.keys.idem(self.id),
-                                         self.reply_key)
-
-    async def stream(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
-        dedupe = ReplyDeduper()
-        async for raw in self.raw_events(timeout):
-            for event in dedupe.feed(raw):
-                yield event
-            if dedupe.finished:
+                resp = await conn.xread({self.reply_key: reader.cursor}, count=REPLY_READ_COUNT,
+                                        block=reader.block_ms(time.monotonic()))
+            except connection.RETRYABLE:
+                await asyncio.sleep(reader.read_failed(time.monotonic()))
+            else:
+                for item in reader.feed(_entries(resp)):
+                    yield item
+            if reader.finished:
                 return
-
-    async def result(self, timeout: float | None = 60.0) -> dict[str, Any]:
-        dedupe = ReplyDeduper()
-        async for raw in self.raw_events(timeout):
-            dedupe.feed(raw)
-            if dedupe.finished:
-                break
-        return result_from_events(self.id, dedupe.terminal)
+            if reader.may_be_expired and await reply_expired_async(
+                    self.client.redis, self.client.keys.idem(self.id), self.reply_key):
+                raise ResultExpired(self.id)
+            if reader.timed_out(time.monotonic()):
+                raise reader.timeout_error(self.id)
 
     async def cancel(self) -> None:
         await self.client.cancel(self.id)
+
+
+def _entries(resp: Any) -> list[Any]:
+    """The entries of an XREAD answer on one stream."""
+    return [entry for _key, entries in resp or [] for entry in entries]

@@ -17,8 +17,9 @@ from typing import Any
 
 from producer.cli import unserved_warning
 from producer.client import Client
+from producer.events import decode_event
 from producer.flags import DefaultsHelpFormatter, add_redis_args
-from producer.protocol import REPLY_FIELD, decode_event
+from producer.protocol import REPLY_FIELD
 
 
 def bench_main(argv: list[str]) -> int:

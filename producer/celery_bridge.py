@@ -29,7 +29,9 @@ from typing import Any
 
 from celery import Celery
 
-from producer.client import Client, JobError
+from producer.client import Client
+from producer.errors import JobError
+from producer.events import DoneEvent
 from producer.flags import DefaultsHelpFormatter, add_redis_args
 from producer.protocol import DEFAULT_PREFIX, ProtocolError
 
@@ -70,7 +72,7 @@ def create_app(broker: str, redis_url: str, *, backend: str | None = None,
     def generate(self: Any, prompt: str | Sequence[int], model: str,
                  params: dict[str, Any] | None = None, job_id: str | None = None,
                  deadline: float | None = None,
-                 priority: int | None = None) -> dict[str, Any]:
+                 priority: int | None = None) -> DoneEvent:
         # Nobody reads the result after `timeout`: past it, a worker does not start the job
         # (the deadline) or stops it (the cancel), as the gateway does for its requests.
         if deadline is None:

@@ -16,15 +16,10 @@ from typing import Any
 
 import redis
 
+from producer.events import DoneEvent
 from producer.flags import DefaultsHelpFormatter, add_limit_args, add_redis_args, limits_from_args
-from producer.protocol import (
-    Keys,
-    ProtocolError,
-    as_str,
-    check_limits,
-    decode_heartbeat,
-    waiting_entries,
-)
+from producer.limits import check_limits
+from producer.protocol import Keys, ProtocolError, as_str, decode_heartbeat, waiting_entries
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("producer.cli:submit_main", "submit one job and stream its text"),
@@ -69,7 +64,8 @@ def _usage() -> str:
 # --------------------------------------------------------------------------- submit
 
 def submit_main(argv: list[str]) -> int:
-    from producer.client import Client, JobError, make_job_spec
+    from producer.client import Client, make_job_spec
+    from producer.errors import JobError
 
     parser = argparse.ArgumentParser(prog="genq submit", description="submit one job: a "
                                      "prompt, or a chat with --messages",
@@ -205,7 +201,7 @@ def load_messages(value: str) -> Any:
     return messages
 
 
-def _print_done(event: dict[str, Any], as_json: bool, live: bool) -> None:
+def _print_done(event: DoneEvent, as_json: bool, live: bool) -> None:
     if as_json:
         print(json.dumps(event, ensure_ascii=False))
         return

@@ -11,6 +11,8 @@ from typing import Any
 import redis
 
 from producer import connection
+from producer.errors import NotReplicated, ResultExpired
+from producer.events import ClientEvent, DoneEvent
 from producer.protocol import (
     DEFAULT_PREFIX,
     PROTOCOL_VERSION,
@@ -19,40 +21,20 @@ from producer.protocol import (
     Keys,
     as_str,
     check_job_spec,
-    decode_reply_entry,
     encode_job_entry,
 )
-from producer.replies import ReplyDeduper
+from producer.reply_reader import (
+    BLOCK_MS,
+    REPLY_READ_COUNT,
+    ReplyReader,
+    result_from_events,
+)
 from producer.results import reply_expired, wait_results
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_IDEMPOTENCY_TTL = 24 * 3600
 DEFAULT_STREAM_TTL = 7 * 24 * 3600
 DEFAULT_CANCEL_TTL = 3600
-BLOCK_MS = 1000
-REPLY_READ_COUNT = 512  # reply entries per XREAD of one job's stream
-_RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
-
-
-class JobError(RuntimeError):
-    """A job ended with an error event (code is e.g. "cancelled", "invalid_params")."""
-
-    def __init__(self, job_id: str, code: str, message: str) -> None:
-        super().__init__(f"job {job_id} failed ({code}): {message}")
-        self.job_id = job_id
-        self.code = code
-        self.message = message
-
-
-class ResultExpired(JobError):
-    """The job ended, but its reply stream expired before it was read: waiting longer would
-    never see it (code "result_expired")."""
-
-    def __init__(self, job_id: str) -> None:
-        super().__init__(job_id, "result_expired",
-                         "the job ended, but its reply stream has expired: reply streams live "
-                         "the worker's --result-ttl (default 1 h) after the job ends; read "
-                         "results within it, or raise it")
 
 
 def connect(url: str, *, blocking: bool = False) -> redis.Redis:
@@ -83,28 +65,6 @@ def make_job_spec(prompt: Prompt | None, params: dict[str, Any] | None, model: s
                    messages=chat, params=params, seed=seed, created=time.time(), deadline=deadline,
                    stream=stream, priority=priority)
     return check_job_spec(spec)
-
-
-def result_from_events(job_id: str, terminal: dict[str, Any] | None) -> dict[str, Any]:
-    if terminal is None:
-        raise JobError(job_id, "no_result", "the reply stream ended without a terminal event")
-    if terminal["type"] == "error":
-        raise JobError(job_id, terminal["code"], terminal["message"])
-    return terminal
-
-
-class NotReplicated(RuntimeError):
-    """A submit reached the primary, but fewer replicas than `min_replicas` acknowledged it in
-    time: a failover now could lose it. Submit again under the same job id (it runs once)."""
-
-    def __init__(self, job_ids: Sequence[str], acks: int, wanted: int, timeout: float) -> None:
-        shown = ", ".join(job_ids[:3]) + (f" and {len(job_ids) - 3} more" if len(job_ids) > 3
-                                          else "")
-        super().__init__(f"job {shown} reached the primary but {acks} of the {wanted} replicas "
-                         f"wanted acknowledged it within {timeout:g} s: submit again with the "
-                         "same job_id (it runs once), or lower min_replicas")
-        self.job_ids = list(job_ids)
-        self.acks = acks
 
 
 class ClientSettings:
@@ -265,56 +225,49 @@ class Job:
         return f"Job(id={self.id!r}, model={self.model!r})"
 
     def raw_events(self, timeout: float | None = None,
-                   last_id: str = "0-0") -> Iterator[dict[str, Any]]:
+                   last_id: str = "0-0") -> Iterator[ClientEvent]:
         """Every event in the reply stream, in order, across reconnects (resumes from the last
         id read). Raises TimeoutError when `timeout` seconds pass without the stream ending."""
-        end = None if timeout is None else time.monotonic() + timeout
-        backoff = 0.05
-        conn = self.client.blocking_redis
-        while True:
-            block = BLOCK_MS if end is None else int(max(1, min(BLOCK_MS,
-                                                                (end - time.monotonic()) * 1000)))
-            try:
-                resp = conn.xread({self.reply_key: last_id}, count=REPLY_READ_COUNT, block=block)
-                backoff = 0.05
-            except _RETRYABLE:
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                resp = []
-            entries_by_key: Any = resp or []
-            for _key, entries in entries_by_key:
-                for entry_id, fields in entries:
-                    last_id = as_str(entry_id)
-                    yield decode_reply_entry(fields)
-            # Nothing yet after a second's wait: has it ended and expired already?
-            if not entries_by_key and last_id == "0-0" and self._expired():
-                raise ResultExpired(self.id)
-            caught_up = sum(len(entries) for _key, entries in entries_by_key) < REPLY_READ_COUNT
-            if end is not None and time.monotonic() >= end and caught_up:
-                # (a stream read in full batches is read on: a job that ended in time is not
-                # reported late for the entries in front of its end)
-                raise TimeoutError(f"job {self.id}: no terminal event within {timeout} s")
+        reader = ReplyReader(timeout, time.monotonic(), dedupe=False, cursor=last_id)
+        for _entry_id, event in self._read(reader):
+            yield event
 
-    def _expired(self) -> bool:
-        return reply_expired(self.client.redis, self.client.keys.idem(self.id), self.reply_key)
-
-    def stream(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+    def stream(self, timeout: float | None = None) -> Iterator[ClientEvent]:
         """started / tokens / restart / done / error events; each (index, pos) once."""
-        dedupe = ReplyDeduper()
-        for raw in self.raw_events(timeout):
-            yield from dedupe.feed(raw)
-            if dedupe.finished:
-                return
+        for _entry_id, event in self._read(ReplyReader(timeout, time.monotonic())):
+            yield event
 
-    def result(self, timeout: float | None = 60.0) -> dict[str, Any]:
+    def result(self, timeout: float | None = 60.0) -> DoneEvent:
         """The done event: outputs[i]["token_ids"/"text"/"finish_reason"], usage, timing.
         Raises JobError if the job ended with an error."""
-        dedupe = ReplyDeduper()
-        for raw in self.raw_events(timeout):
-            dedupe.feed(raw)
-            if dedupe.finished:
-                break
-        return result_from_events(self.id, dedupe.terminal)
+        reader = ReplyReader(timeout, time.monotonic())
+        for _item in self._read(reader):
+            pass
+        return result_from_events(self.id, reader.terminal)
+
+    def _read(self, reader: ReplyReader) -> Iterator[tuple[str, ClientEvent]]:
+        """The reads and waits around `reader` (producer/reply_reader.py has the rules)."""
+        conn = self.client.blocking_redis
+        while True:
+            try:
+                resp = conn.xread({self.reply_key: reader.cursor}, count=REPLY_READ_COUNT,
+                                  block=reader.block_ms(time.monotonic()))
+            except connection.RETRYABLE:
+                time.sleep(reader.read_failed(time.monotonic()))
+            else:
+                yield from reader.feed(_entries(resp))
+            if reader.finished:
+                return
+            if reader.may_be_expired and reply_expired(
+                    self.client.redis, self.client.keys.idem(self.id), self.reply_key):
+                raise ResultExpired(self.id)
+            if reader.timed_out(time.monotonic()):
+                raise reader.timeout_error(self.id)
 
     def cancel(self) -> None:
         self.client.cancel(self.id)
+
+
+def _entries(resp: Any) -> list[Any]:
+    """The entries of an XREAD answer on one stream."""
+    return [entry for _key, entries in resp or [] for entry in entries]

@@ -1,13 +1,14 @@
 """The command-line flags genq's commands share (`genq submit`, `status`, `bench`, `worker`,
 `gateway`, `celery-bridge`): the Redis URL and key prefix, checked when parsed, and the payload
-caps. Imports nothing of genq but the protocol, so the worker may use it too."""
+caps. Imports nothing of genq but the protocol and its caps, so the worker may use it too."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from producer.protocol import DEFAULT_PREFIX, Limits, ProtocolError, validate_name
+from producer.limits import Limits
+from producer.protocol import DEFAULT_PREFIX, ProtocolError, validate_name
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -57,7 +58,7 @@ def add_redis_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
 
 
 def add_limit_args(parser: argparse.ArgumentParser, who: str) -> None:
-    """The payload caps (protocol.Limits) as flags; the gateway checks the same ones as the
+    """The payload caps (limits.Limits) as flags; the gateway checks the same ones as the
     workers, so give both the same values."""
     c = parser.add_argument_group("payload caps", f"what {who} refuses (limit_exceeded)")
     c.add_argument("--max-job-bytes", type=int, default=Limits.max_job_bytes,

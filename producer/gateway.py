@@ -49,17 +49,10 @@ from producer.gateway_fleet import (
 )
 from producer.gateway_hub import ReplyHub
 from producer.gateway_limits import check_prompt_count
+from producer.limits import Limits, check_job_bytes, check_limits
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
-from producer.protocol import (
-    DEFAULT_PREFIX,
-    Keys,
-    Limits,
-    ProtocolError,
-    check_job_bytes,
-    check_limits,
-    encode_job_entry,
-)
+from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, encode_job_entry
 
 JOB_ID_HEADER = "Genq-Job-Id"
 RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume

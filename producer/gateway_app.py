@@ -32,8 +32,8 @@ from producer.flags import DefaultsHelpFormatter, add_limit_args, add_redis_args
 from producer.gateway import Gateway, GatewayConfig
 from producer.gateway_batches import add_batch_routes
 from producer.gateway_limits import BodyLimit
+from producer.limits import Limits
 from producer.openai_schema import GatewayError
-from producer.protocol import Limits
 
 CONFIG_ENV = "GENQ_GATEWAY_CONFIG"  # --workers N: each uvicorn process reads its config here
 log = logging.getLogger("uvicorn.error")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -20,14 +20,9 @@ from redis import ConnectionError as RedisConnectionError
 from redis import ResponseError
 from redis import TimeoutError as RedisTimeoutError
 
-from producer.client import (
-    BLOCK_MS,
-    DEFAULT_CANCEL_TTL,
-    DEFAULT_IDEMPOTENCY_TTL,
-    DEFAULT_STREAM_TTL,
-    REPLY_READ_COUNT,
-)
+from producer.client import DEFAULT_CANCEL_TTL, DEFAULT_IDEMPOTENCY_TTL, DEFAULT_STREAM_TTL
 from producer.connection import connect_async
+from producer.events import ClientEvent, DoneEvent
 from producer.gateway_hub import ReplyHub, Subscription
 from producer.gateway_limits import check_queue_room
 from producer.openai_schema import GatewayError
@@ -38,10 +33,9 @@ from producer.protocol import (
     Keys,
     ProtocolError,
     decode_heartbeat,
-    decode_reply_entry,
     waiting_entries,
 )
-from producer.replies import ReplyDeduper
+from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, entry_key
 from producer.results import reply_expired_async
 
 # A job's error code -> (HTTP status, OpenAI error type).
@@ -55,7 +49,7 @@ _ERROR_STATUS: dict[str, tuple[int, str]] = {
 }
 
 
-def error_status(event: dict[str, Any]) -> GatewayError:
+def error_status(event: Mapping[str, Any]) -> GatewayError:
     """An error event as an OpenAI error: bad input is a 400 unless the code says otherwise."""
     status, type_ = _ERROR_STATUS.get(event["code"], (400, "invalid_request_error"))
     return GatewayError(status, event["message"], type_=type_, code=event["code"])
@@ -157,11 +151,6 @@ class FleetView:
                          max_queue_depth)
 
 
-def _entry_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 _ENTRY_ID_RE = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
 
 
@@ -175,11 +164,12 @@ def check_last_event_id(value: str | None) -> str | None:
 
 
 class JobReader:
-    """One job's reply stream, deduplicated across attempts (ReplyDeduper), as
-    (entry id, event) pairs. With `after`, everything up to that entry is read and folded into
-    the deduper but not yielded: a resumed stream continues exactly where the client stopped.
-    What the deduper made of those entries is kept in `replayed` (complete by the first yield),
-    so the caller can bring its own per-stream state up to where the client is."""
+    """One job's reply stream, deduplicated across attempts, as (entry id, event) pairs: the
+    reads and waits around a ReplyReader (producer/reply_reader.py has the rules). With
+    `after`, everything up to that entry is read and folded into the deduper but not yielded: a
+    resumed stream continues exactly where the client stopped. What the deduper made of those
+    entries is kept in `replayed` (complete by the first yield), so the caller can bring its own
+    per-stream state up to where the client is."""
 
     def __init__(self, conn: aioredis.Redis, reply_key: str, job_id: str, after: str | None,
                  timeout_s: float, idem_key: str | None = None,
@@ -189,13 +179,22 @@ class JobReader:
         self.reply_key = reply_key
         self.idem_key = idem_key  # its ended mark tells an expired result from a queued job
         self.job_id = job_id
-        self.after = _entry_key(after) if after else None
         self.timeout_s = timeout_s
-        self.created: int | None = None  # epoch seconds of the first reply entry (its id's clock)
-        self.replayed: list[dict[str, Any]] = []  # events the client had before `after`
+        self.reader = ReplyReader(timeout_s, time.monotonic(), after=after or None)
         self.batch_left = 0  # events read with the one just yielded, still to come
 
-    async def events(self) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+    @property
+    def created(self) -> int | None:
+        """Epoch seconds of the first reply entry (its id's clock); None before one is read."""
+        first = self.reader.first_id
+        return None if first is None else entry_key(first)[0] // 1000
+
+    @property
+    def replayed(self) -> list[ClientEvent]:
+        """The events the client had before `after`."""
+        return self.reader.replayed
+
+    async def events(self) -> AsyncGenerator[tuple[str, ClientEvent], None]:
         sub = self.hub.subscribe(self.reply_key) if self.hub is not None else None
         try:
             async for item in self._events(sub):
@@ -204,60 +203,43 @@ class JobReader:
             if sub is not None and self.hub is not None:
                 self.hub.unsubscribe(sub)
 
-    async def _read(self, sub: Subscription | None, last: str, block_ms: int,
-                    backoff: float, end: float) -> tuple[Any, float]:
-        """-> (XREAD's answer, the next backoff)."""
+    async def _read(self, sub: Subscription | None) -> list[Any] | None:
+        """The entries after the reader's cursor; None when Redis could not be read."""
+        reader = self.reader
+        block_ms = reader.block_ms(time.monotonic())
         if sub is not None and self.hub is not None:
-            entries = await self.hub.next(sub, block_ms / 1000)
-            return ([(self.reply_key, entries)] if entries else []), backoff
+            return await self.hub.next(sub, block_ms / 1000)
         try:
-            return await self.conn.xread({self.reply_key: last}, count=REPLY_READ_COUNT,
-                                         block=block_ms), 0.05
+            resp: Any = await self.conn.xread({self.reply_key: reader.cursor},
+                                              count=REPLY_READ_COUNT, block=block_ms)
         except (RedisConnectionError, RedisTimeoutError):
             # Redis is down: a refused connect fails at once, so wait before the next try
-            # (without it, every open stream spun the event loop at full CPU).
-            await asyncio.sleep(min(backoff, max(0.0, end - time.monotonic())))
-            return [], min(backoff * 2, 2.0)
+            # (without it, every open stream would spin the event loop at full CPU).
+            await asyncio.sleep(reader.read_failed(time.monotonic()))
+            return None
+        return [entry for _key, entries in resp or [] for entry in entries]
 
     async def _events(self, sub: Subscription | None
-                      ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
-        dedupe = ReplyDeduper()
-        last = "0-0"
-        end = time.monotonic() + self.timeout_s
-        backoff = 0.05
+                      ) -> AsyncGenerator[tuple[str, ClientEvent], None]:
+        reader = self.reader
         while True:
-            block = int(max(1, min(BLOCK_MS, (end - time.monotonic()) * 1000)))
-            resp, backoff = await self._read(sub, last, block, backoff, end)
-            batch: list[tuple[str, dict[str, Any]]] = []
-            for _key, entries in resp or []:
-                for raw_id, fields in entries:
-                    last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
-                    if self.created is None:
-                        self.created = _entry_key(last)[0] // 1000
-                    try:
-                        event = decode_reply_entry(fields)
-                    except ProtocolError as exc:  # not a worker's writing: nothing to relay
-                        raise GatewayError(502, f"job {self.job_id}: its reply stream holds an "
-                                           f"entry that is not a genq event ({exc.message})",
-                                           type_="server_error", code="bad_reply") from None
-                    out = dedupe.feed(event)
-                    if self.after is None or _entry_key(last) > self.after:
-                        batch += [(last, event) for event in out]
-                    else:
-                        self.replayed += out
-                    if dedupe.finished:
-                        break
+            entries = await self._read(sub)
+            try:
+                batch = [] if entries is None else list(reader.feed(entries))
+            except ProtocolError as exc:  # not a worker's writing: nothing to relay
+                raise GatewayError(502, f"job {self.job_id}: its reply stream holds an entry "
+                                   f"that is not a genq event ({exc.message})",
+                                   type_="server_error", code="bad_reply") from None
             for k, item in enumerate(batch):
                 self.batch_left = len(batch) - 1 - k
                 yield item
-            if dedupe.finished:
+            if reader.finished:
                 return
-            if not resp and last == "0-0" and await self._expired():
+            if reader.may_be_expired and await self._expired():
                 raise GatewayError(410, f"job {self.job_id} ended, but its reply stream has "
                                    "expired (the workers' --result-ttl); submit it under a new "
                                    "id to run it again", code="result_expired")
-            read = sum(len(entries) for _key, entries in resp or [])
-            if time.monotonic() >= end and read < REPLY_READ_COUNT:  # (caught up: see Job)
+            if reader.timed_out(time.monotonic()):
                 raise GatewayError(504, f"job {self.job_id} did not finish within "
                                    f"{self.timeout_s:.0f} s", type_="timeout",
                                    code="deadline_exceeded")
@@ -266,7 +248,7 @@ class JobReader:
         return self.idem_key is not None and await reply_expired_async(
             self.conn, self.idem_key, self.reply_key)
 
-    async def result(self) -> dict[str, Any]:
+    async def result(self) -> DoneEvent:
         """The done event; an error event raises its GatewayError."""
         async for _entry_id, event in self.events():
             if event["type"] == "done":

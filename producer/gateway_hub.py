@@ -20,8 +20,8 @@ from typing import Any
 from redis import ConnectionError as RedisConnectionError
 from redis import TimeoutError as RedisTimeoutError
 
-from producer.client import BLOCK_MS, REPLY_READ_COUNT
 from producer.connection import connect_async
+from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT
 
 Entry = tuple[Any, Any]  # (entry id, fields) as XREAD gives them
 

@@ -9,6 +9,7 @@ offset where the next token's text starts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from producer import openai_schema as oa
@@ -44,7 +45,7 @@ class Choices:
 
     # ------------------------------------------------------------------ whole answers
 
-    def choice(self, prompt_index: int, out: dict[str, Any]) -> dict[str, Any]:
+    def choice(self, prompt_index: int, out: Mapping[str, Any]) -> dict[str, Any]:
         """The choice for one done output of the job of prompts[prompt_index]."""
         echo = self.echoes[prompt_index]
         logprobs, _ = self._logprobs(out.get("logprobs"), len(echo))
@@ -64,7 +65,7 @@ class Choices:
         return oa.chunk(self.response_id, self.req.model, self.created, index, text, reason,
                         self.chat, first, logprobs)
 
-    def restart_error(self, event: dict[str, Any]) -> dict[str, Any] | None:
+    def restart_error(self, event: Mapping[str, Any]) -> dict[str, Any] | None:
         """A `restart` (a replay after a failover that diverged from what was streamed) once
         text went out: OpenAI's stream has no way to take text back, so the stream ends with
         this error object; before any text, the restart changes nothing."""
@@ -76,7 +77,7 @@ class Choices:
             "the new run's (the same request with stream=false returns it)", type_="server_error",
             code="stream_restarted").body()
 
-    def sse_payloads(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+    def sse_payloads(self, event: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The SSE data objects one genq event becomes (restart and started become none)."""
         kind = event["type"]
         if kind == "tokens":

@@ -1,6 +1,6 @@
 """Logprobs in OpenAI's two shapes, from the rows genq's reply events carry: per position
-[[token_id, logprob, text], ...], the sampled token first, then the top-k (producer/protocol.py,
-tokens_event).
+[[token_id, logprob, text], ...], the sampled token first, then the top-k (producer/events.py,
+Logprobs).
 
 - Completions (legacy): {"tokens", "token_logprobs", "top_logprobs", "text_offset"}. Each
   top_logprobs map holds the sampled token and the top `logprobs` tokens, so up to logprobs + 1

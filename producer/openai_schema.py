@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from producer.protocol import SAMPLING_PARAM_NAMES
+from producer.job_params import SAMPLING_PARAM_NAMES
 
 # OpenAI fields with a direct genq counterpart (same name, same meaning).
 _SHARED = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")

@@ -19,43 +19,33 @@ so attempt numbers keep increasing when a draining worker hands a job back.
 
 from __future__ import annotations
 
-import json
-import math
 import re
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from producer.errors import ProtocolError
+from producer.job_params import check_messages, check_params
+from producer.wire_types import Check
+from producer.wire_types import is_bool as _is_bool
+from producer.wire_types import is_int as _is_int
+from producer.wire_types import is_num as _is_num
+from producer.wire_types import is_str as _is_str
+from producer.wire_types import is_uint64 as _is_uint64
+from producer.wire_types import list_of as _list_of
+from producer.wire_types import opt as _opt
+from producer.wire_types import pack as _pack
+
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "genq"
 CONSUMER_GROUP = "workers"
 REPLY_FIELD = "e"
-_REPLY_FIELD_BYTES = REPLY_FIELD.encode()
 MAX_NAME_LEN = 128
 DEFAULT_MAX_JOB_BYTES = 1 << 20
 DEFAULT_MAX_EVENT_BYTES = 64 << 20
-_INT64_MAX = 2**63 - 1
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
-
-EVENT_TYPES = ("started", "tokens", "done", "error")
-TERMINAL_EVENT_TYPES = ("done", "error")
-
-
-class ProtocolError(ValueError):
-    """A payload or name that does not follow the wire protocol.
-
-    `code` is machine-readable (e.g. "unknown_field"); `job_id` is set when the payload's id was
-    itself valid, so a worker can answer on that job's reply stream.
-    """
-
-    def __init__(self, code: str, message: str, job_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.job_id = job_id
 
 
 def validate_name(value: object, what: str = "job id") -> str:
@@ -140,10 +130,7 @@ class Keys:
         return self.fence_prefix(model) + validate_name(name, "worker name")
 
 
-# --------------------------------------------------------------------------- type checks
-
-Check = Callable[[object], bool]
-
+# --------------------------------------------------------------------------- queues
 
 def waiting_entries(lag: object, pending: int, length: int) -> int:
     """Jobs in a model's stream no worker has read yet: the group's `lag` (XINFO GROUPS), or,
@@ -153,138 +140,6 @@ def waiting_entries(lag: object, pending: int, length: int) -> int:
     if isinstance(lag, int):
         return lag
     return max(0, length - pending)
-
-
-def _is_int(v: object) -> bool:
-    """An int MessagePack can carry (a 64-bit one): larger ones fail to encode."""
-    return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**64
-
-
-def _is_num(v: object) -> bool:
-    if isinstance(v, float):
-        return math.isfinite(v)
-    return _is_int(v)  # (every 64-bit int is a finite float)
-
-
-def _is_big_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and not _is_int(v)
-
-
-def _opt(check: Check) -> Check:
-    return lambda v: v is None or check(v)
-
-
-def _list_of(check: Check) -> Check:
-    return lambda v: isinstance(v, list) and all(check(x) for x in v)
-
-
-def _is_uint64(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _INT64_MAX
-
-
-def _is_bool(v: object) -> bool:
-    return isinstance(v, bool)
-
-
-def _is_str(v: object) -> bool:
-    return isinstance(v, str)
-
-
-_GRAMMAR_KINDS = {"json": lambda v: isinstance(v, (dict, str)), "regex": _is_str,
-                  "choice": _list_of(_is_str), "grammar": _is_str, "json_object": _is_bool}
-
-
-def _is_structured(v: object) -> bool:
-    """{"json": schema} or {"regex" | "grammar": str} or {"choice": [str]} or
-    {"json_object": true}: exactly one (the engine checks the grammar itself)."""
-    return (isinstance(v, dict) and len(v) == 1 and next(iter(v)) in _GRAMMAR_KINDS
-            and _GRAMMAR_KINDS[next(iter(v))](next(iter(v.values()))))
-
-
-def _is_logit_bias(v: object) -> bool:
-    """Token id -> bias: keys are the ids' digits (JSON's form, all MessagePack maps here take:
-    check_params turns int keys into them)."""
-    return isinstance(v, dict) and all(
-        (_is_uint64(k) or (isinstance(k, str) and k.isascii() and k.isdigit())) and _is_num(b)
-        for k, b in v.items())
-
-
-# The SamplingParams fields (engine/sampling_params.py) and the wire types each accepts. The engine
-# does the full value validation; this table lets a producer fail fast without importing the engine
-# (a test holds it equal to the engine's dataclass fields).
-SAMPLING_PARAM_CHECKS: dict[str, tuple[Check, str]] = {
-    "n": (_is_int, "int"),
-    "best_of": (_opt(_is_int), "int or None"),
-    "temperature": (_is_num, "number"),
-    "top_p": (_is_num, "number"),
-    "top_k": (_is_int, "int"),
-    "min_p": (_is_num, "number"),
-    "seed": (_opt(_is_int), "int or None"),
-    "max_tokens": (_opt(_is_int), "int or None"),
-    "min_tokens": (_is_int, "int"),
-    "stop": (lambda v: _is_str(v) or _list_of(_is_str)(v), "str or list of str"),
-    "stop_token_ids": (_list_of(_is_int), "list of int"),
-    "ignore_eos": (_is_bool, "bool"),
-    "logprobs": (_opt(_is_int), "int or None"),
-    "presence_penalty": (_is_num, "number"),
-    "frequency_penalty": (_is_num, "number"),
-    "repetition_penalty": (_is_num, "number"),
-    "use_beam_search": (_is_bool, "bool"),
-    "length_penalty": (_is_num, "number"),
-    "early_stopping": (lambda v: _is_bool(v) or _is_str(v), "bool or str"),
-    "include_stop_str_in_output": (_is_bool, "bool"),
-    "skip_special_tokens": (_is_bool, "bool"),
-    "structured_outputs": (_opt(_is_structured), "a map with one of json (a schema), regex, "
-                           "choice (a list of str), grammar, json_object (true)"),
-    "logit_bias": (_opt(_is_logit_bias), "a map of token id -> number"),
-    "allowed_token_ids": (_opt(_list_of(_is_uint64)), "list of int"),
-}
-SAMPLING_PARAM_NAMES = frozenset(SAMPLING_PARAM_CHECKS)
-
-
-def check_params(params: object, job_id: str | None = None) -> dict[str, Any]:
-    """Names and wire types of sampling params, plus the few values a producer can judge alone."""
-    if not isinstance(params, dict):
-        raise ProtocolError("wrong_type", f"params must be a map, got {type(params).__name__}",
-                            job_id)
-    unknown = sorted(str(k) for k in params if k not in SAMPLING_PARAM_CHECKS)
-    if unknown:
-        raise ProtocolError("unknown_field", f"unknown sampling parameter(s): {', '.join(unknown)};"
-                            f" known: {', '.join(sorted(SAMPLING_PARAM_NAMES))}", job_id)
-    for name, value in params.items():
-        check, kind = SAMPLING_PARAM_CHECKS[name]
-        if not check(value):
-            if _is_big_int(value):
-                raise ProtocolError("wrong_type", f"params.{name} = {value!r:.80} is out of "
-                                    "range: the wire carries 64-bit integers", job_id)
-            raise ProtocolError("wrong_type", f"params.{name} must be {kind}, "
-                                f"got {type(value).__name__} {value!r:.80}", job_id)
-    if params.get("logit_bias"):  # (the wire's maps have str keys; Python callers give ints)
-        params["logit_bias"] = {str(k): v for k, v in params["logit_bias"].items()}
-    for name in ("n", "max_tokens"):
-        if params.get(name) is not None and params[name] < 1:
-            raise ProtocolError("invalid_params", f"params.{name} must be at least 1, "
-                                f"got {params[name]}", job_id)
-    for name, (in_range, what) in _PARAM_RANGES.items():
-        if params.get(name) is not None and not in_range(params[name]):
-            raise ProtocolError("invalid_params", f"{name} must be {what}, got {params[name]}",
-                                job_id)
-    return params
-
-
-# Value ranges a producer can judge alone, in the engine's words (SamplingParams checks the
-# same), so a bad value is refused before it is enqueued rather than by a worker.
-_PARAM_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (lambda v: v >= 0, ">= 0 (0 means greedy)"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (lambda v: v >= -1, "-1 or 0 (disable) or at least 1"),
-    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "min_tokens": (lambda v: v >= 0, ">= 0"),
-    "logprobs": (lambda v: 0 <= v <= 20, "in [0, 20]"),
-    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "repetition_penalty": (lambda v: v > 0, "> 0"),
-}
 
 
 # --------------------------------------------------------------------------- jobs
@@ -351,7 +206,7 @@ def check_job_spec(spec: JobSpec) -> JobSpec:
     wire = spec.to_wire()
     checked = _job_from_map(wire)
     try:
-        _pack(wire)  # encodes every string as UTF-8 in C (~1 us); the walk below names the bad one
+        _pack(wire)  # encodes every string as UTF-8 in C, cheaply; the walk below names the bad one
     except UnicodeEncodeError:
         _check_text(wire, "", checked.id)
         raise
@@ -489,202 +344,6 @@ def _job_from_map(obj: dict[Any, Any]) -> JobSpec:
                    fit_context=obj.get("fit_context", False))
 
 
-MESSAGE_FIELDS = ("role", "content")
-
-
-def check_messages(messages: object, job_id: str | None = None) -> list[dict[str, str]]:
-    """A chat: a non-empty list of {"role": str, "content": str} maps, nothing else in them."""
-    def bad(message: str) -> ProtocolError:
-        return ProtocolError("wrong_type", message, job_id)
-
-    if not isinstance(messages, list):
-        raise bad(f"job field 'messages' must be a list of maps, got {type(messages).__name__}")
-    if not messages:
-        raise ProtocolError("bad_prompt", "the chat has no messages", job_id)
-    out: list[dict[str, str]] = []
-    for k, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise bad(f"messages[{k}] must be a map with 'role' and 'content', got "
-                      f"{type(message).__name__}")
-        unknown = sorted(str(key) for key in message if key not in MESSAGE_FIELDS)
-        if unknown:
-            raise ProtocolError("unknown_field", f"messages[{k}] has unknown field(s): "
-                                f"{', '.join(unknown)}; a message has only 'role' and "
-                                "'content'", job_id)
-        for name in MESSAGE_FIELDS:
-            if name not in message:
-                raise ProtocolError("missing_field", f"messages[{k}] needs the field {name!r}",
-                                    job_id)
-            if not isinstance(message[name], str):
-                raise bad(f"messages[{k}].{name} must be str, got "
-                          f"{type(message[name]).__name__}")
-        if not message["role"]:
-            raise bad(f"messages[{k}].role is empty")
-        out.append({"role": message["role"], "content": message["content"]})
-    return out
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Payload caps a worker (and the gateway, before enqueueing) enforces."""
-
-    max_job_bytes: int = DEFAULT_MAX_JOB_BYTES
-    max_prompt_bytes: int = 256 << 10
-    max_prompt_tokens: int | None = None  # None: the model's max_model_len decides
-    max_tokens: int = 4096
-    max_n: int = 16
-    max_stop: int = 16
-    max_stop_bytes: int = 256
-    max_grammar_bytes: int = 64 << 10  # structured_outputs, as compact JSON
-
-
-def check_limits(spec: JobSpec, limits: Limits) -> None:
-    """Raise ProtocolError(code "limit_exceeded") when a job is over a cap."""
-    def over(message: str) -> ProtocolError:
-        return ProtocolError("limit_exceeded", message, spec.id)
-
-    if spec.prompt is not None and len(spec.prompt.encode()) > limits.max_prompt_bytes:
-        raise over(f"prompt is {len(spec.prompt.encode())} bytes, over the cap of "
-                   f"{limits.max_prompt_bytes}")
-    if spec.messages is not None:
-        num_bytes = sum(len(m["content"].encode()) for m in spec.messages)
-        if num_bytes > limits.max_prompt_bytes:
-            raise over(f"the messages' contents are {num_bytes} bytes in all, over the prompt "
-                       f"cap of {limits.max_prompt_bytes}")
-    if (limits.max_prompt_tokens is not None and spec.prompt_token_ids is not None
-            and len(spec.prompt_token_ids) > limits.max_prompt_tokens):
-        raise over(f"prompt has {len(spec.prompt_token_ids)} tokens, over the cap of "
-                   f"{limits.max_prompt_tokens}")
-    p = spec.params
-    # (max_tokens None: as many as the cap and the model's context allow; the worker sets it)
-    if (p.get("max_tokens") or 0) > limits.max_tokens:
-        raise over(f"max_tokens={p['max_tokens']} is over the cap of {limits.max_tokens}")
-    for name in ("n", "best_of"):
-        if (p.get(name) or 0) > limits.max_n:
-            raise over(f"{name}={p[name]} is over the cap of {limits.max_n}")
-    stop = [p["stop"]] if isinstance(p.get("stop"), str) else p.get("stop", [])
-    if len(stop) > limits.max_stop or any(len(s.encode()) > limits.max_stop_bytes for s in stop):
-        raise over(f"at most {limits.max_stop} stop strings of at most {limits.max_stop_bytes} "
-                   "bytes each")
-    if len(p.get("stop_token_ids", [])) > limits.max_stop:
-        raise over(f"at most {limits.max_stop} stop_token_ids")
-    if p.get("structured_outputs") is not None:
-        size = len(_json_text(p["structured_outputs"]).encode())
-        if size > limits.max_grammar_bytes:
-            raise over(f"structured_outputs is {size} bytes (as compact JSON), over the cap of "
-                       f"{limits.max_grammar_bytes} (--max-grammar-bytes)")
-
-
-def _json_text(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=repr)
-
-
-def check_job_bytes(job_id: str, payload: bytes, limits: Limits) -> None:
-    """Raise ProtocolError("limit_exceeded") when a job's encoded payload (encode_job_entry's
-    "job") is over limits.max_job_bytes (a producer's check: the worker measures what it reads)."""
-    if len(payload) > limits.max_job_bytes:
-        raise ProtocolError("limit_exceeded", f"the job is {len(payload)} bytes encoded, over the "
-                            f"cap of {limits.max_job_bytes}", job_id)
-
-
-# --------------------------------------------------------------------------- reply events
-
-def started_event(attempt: int, worker: str) -> dict[str, Any]:
-    return {"type": "started", "attempt": attempt, "worker": worker}
-
-
-def tokens_event(attempt: int, index: int, pos: int, token_ids: list[int], text: str,
-                 logprobs: list[list[list[Any]]] | None = None) -> dict[str, Any]:
-    event: dict[str, Any] = {"type": "tokens", "attempt": attempt, "index": index, "pos": pos,
-                             "token_ids": token_ids, "text": text}
-    if logprobs is not None:
-        # Per position: [[token_id, logprob, text], ...], the sampled token first, then the
-        # top-k; text is the token's text after the tokens before it (what the gateway shows).
-        event["logprobs"] = logprobs
-    return event
-
-
-def done_event(attempt: int, outputs: list[dict[str, Any]], usage: dict[str, int],
-               timing: dict[str, float]) -> dict[str, Any]:
-    return {"type": "done", "attempt": attempt, "outputs": outputs, "usage": usage,
-            "timing": timing}
-
-
-def error_event(attempt: int, code: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "attempt": attempt, "code": code, "message": message}
-
-
-_OUTPUT_FIELDS: dict[str, tuple[Check, str]] = {
-    "index": (_is_int, "int"),
-    "token_ids": (_list_of(_is_int), "list of int"),
-    "text": (_is_str, "str"),
-    "finish_reason": (_opt(_is_str), "str or None"),
-    "cumulative_logprob": (_opt(_is_num), "number or None"),
-    "stop_reason": (lambda v: v is None or _is_int(v) or _is_str(v), "int, str or None"),
-    "logprobs": (lambda v: v is None or isinstance(v, list), "list or None"),
-}
-_EVENT_FIELDS: dict[str, dict[str, tuple[Check, str]]] = {
-    "started": {"worker": (_is_str, "str")},
-    "tokens": {"index": (_is_int, "int"), "pos": (_is_int, "int"),
-               "token_ids": (_list_of(_is_int), "list of int"), "text": (_is_str, "str"),
-               "logprobs": (lambda v: isinstance(v, list), "list")},
-    "done": {"outputs": (_list_of(lambda o: isinstance(o, dict)), "list of maps"),
-             "usage": (lambda v: isinstance(v, dict), "map"),
-             "timing": (lambda v: isinstance(v, dict), "map")},
-    "error": {"code": (_is_str, "str"), "message": (_is_str, "str")},
-}
-_OPTIONAL_EVENT_FIELDS = {"logprobs"}
-
-
-def encode_event(event: dict[str, Any]) -> bytes:
-    return _pack(event)
-
-
-def decode_event(data: bytes, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> dict[str, Any]:
-    """Strictly decode one reply event. Raises ProtocolError."""
-    if len(data) > max_bytes:
-        raise ProtocolError("too_large", f"event is {len(data)} bytes, over {max_bytes}")
-    try:
-        event = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:
-        raise ProtocolError("malformed", f"event is not valid MessagePack: {exc}"[:300]) from None
-    if not isinstance(event, dict):
-        raise ProtocolError("wrong_type", "an event must be a map")
-    kind = event.get("type")
-    if not isinstance(kind, str) or kind not in _EVENT_FIELDS:
-        raise ProtocolError("wrong_type", f"unknown event type {kind!r:.40}")
-    spec = {"type": (_is_str, "str"), "attempt": (_is_int, "int"), **_EVENT_FIELDS[kind]}
-    _check_map(event, spec, f"{kind} event", _OPTIONAL_EVENT_FIELDS)
-    if kind == "done":
-        for out in event["outputs"]:
-            _check_map(out, _OUTPUT_FIELDS, "done output",
-                       {"cumulative_logprob", "stop_reason", "logprobs"})
-    return event
-
-
-def decode_reply_entry(fields: Mapping[bytes, bytes]) -> dict[str, Any]:
-    """The event of one reply-stream entry (its field 'e'). Raises ProtocolError."""
-    data = fields.get(_REPLY_FIELD_BYTES)
-    if data is None:
-        raise ProtocolError("missing_field", f"a reply entry needs the field {REPLY_FIELD!r} "
-                            f"(it has {', '.join(sorted(as_str(k) for k in fields)) or 'none'})")
-    return decode_event(data)
-
-
-def _check_map(obj: dict[Any, Any], spec: dict[str, tuple[Check, str]], what: str,
-               optional: set[str] | frozenset[str] = frozenset()) -> None:
-    unknown = sorted(str(k) for k in obj if k not in spec)
-    if unknown:
-        raise ProtocolError("unknown_field", f"unknown {what} field(s): {', '.join(unknown)}")
-    for name, (check, kind) in spec.items():
-        if name not in obj:
-            if name in optional:
-                continue
-            raise ProtocolError("missing_field", f"{what} field {name!r} is required")
-        if not check(obj[name]):
-            raise ProtocolError("wrong_type", f"{what} field {name!r} must be {kind}")
-
-
 # --------------------------------------------------------------------------- heartbeat
 
 def encode_heartbeat(info: dict[str, Any]) -> bytes:
@@ -714,18 +373,6 @@ if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
 end
 return false
 """
-
-
-_PACKERS = threading.local()  # msgpack.packb builds a Packer per call: 4x the cost of packing
-
-
-def _pack(obj: object) -> bytes:
-    packer = getattr(_PACKERS, "packer", None)
-    if packer is None:
-        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
-    data = packer.pack(obj)  # resets itself when packing raises
-    assert isinstance(data, bytes)
-    return data
 
 
 def as_str(value: bytes | str) -> str:

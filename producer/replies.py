@@ -1,6 +1,6 @@
 """What a client sees of a reply stream that may hold several attempts of one job.
 
-Rules (shared by Client and AsyncClient):
+Rules (the reply reader's, producer/reply_reader.py, under Job, AsyncJob and the gateway):
 - events of an attempt older than the newest seen are dropped (a superseded worker's leftovers);
 - each (sequence index, position) is delivered once across attempts: a replay's tokens that were
   already delivered are swallowed and only the new suffix is yielded;
@@ -13,9 +13,16 @@ Rules (shared by Client and AsyncClient):
 
 from __future__ import annotations
 
-from typing import Any
-
-from producer.protocol import TERMINAL_EVENT_TYPES
+from producer.events import (
+    ClientEvent,
+    DoneEvent,
+    Event,
+    RestartEvent,
+    TerminalEvent,
+    TokensEvent,
+    restart_event,
+    tokens_event,
+)
 
 
 class ReplyDeduper:
@@ -24,33 +31,32 @@ class ReplyDeduper:
     def __init__(self) -> None:
         self.attempt = 0
         self.finished = False
-        self.terminal: dict[str, Any] | None = None
+        self.terminal: TerminalEvent | None = None
         self._delivered: dict[int, tuple[list[int], str]] = {}  # what the caller has seen
         self._current: dict[int, tuple[list[int], str]] = {}  # what the newest attempt produced
 
-    def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+    def feed(self, event: Event) -> list[ClientEvent]:
         """One raw event in, the events to hand to the caller out (possibly none)."""
         if self.finished or event["attempt"] < self.attempt:
             return []
         if event["attempt"] > self.attempt:
             self.attempt = event["attempt"]
             self._current = {}
-        kind = event["type"]
-        if kind == "tokens":
+        if event["type"] == "tokens":
             return self._tokens(event)
-        out: list[dict[str, Any]] = []
-        if kind == "done":
-            if self._diverged_outputs(event["outputs"]):
+        out: list[ClientEvent] = []
+        if event["type"] == "done":
+            if self._diverged_outputs(event):
                 out.append(self._restart("the final output differs from the tokens already "
                                          "streamed"))
             out += self._text_tails(event)
-        if kind in TERMINAL_EVENT_TYPES:
+        if event["type"] == "done" or event["type"] == "error":
             self.finished = True
             self.terminal = event
         out.append(event)
         return out
 
-    def _tokens(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+    def _tokens(self, event: TokensEvent) -> list[ClientEvent]:
         index, pos = event["index"], event["pos"]
         state = self._current.get(index)
         if self.fast_path and state is not None and state is self._delivered.get(index) \
@@ -77,7 +83,8 @@ class ReplyDeduper:
         self._current[index] = (cur_ids, cur_text)
         common = min(len(cur_ids), len(done_ids))
         if cur_ids[:common] != done_ids[:common]:
-            out = [self._restart(f"attempt {self.attempt} diverged from the streamed tokens")]
+            out: list[ClientEvent] = [
+                self._restart(f"attempt {self.attempt} diverged from the streamed tokens")]
             for i, (ids, text) in sorted(self._current.items()):
                 out.append(self._chunk(event, i, 0, ids, text))
                 self._delivered[i] = (ids, text)
@@ -91,7 +98,7 @@ class ReplyDeduper:
         self._delivered[index] = self._current[index]  # the same state: in step again
         return [chunk]
 
-    def _text_tails(self, done: dict[str, Any]) -> list[dict[str, Any]]:
+    def _text_tails(self, done: DoneEvent) -> list[TokensEvent]:
         """A streamed sequence's text that no tokens event carried (the worker holds back text
         a stop string may still cut; a request the engine ends itself releases it only in the
         done event): one last chunk without tokens, so the streamed text adds up to the done
@@ -107,19 +114,18 @@ class ReplyDeduper:
                 self._delivered[index] = (ids, out["text"])
         return tails
 
-    def _diverged_outputs(self, outputs: list[dict[str, Any]]) -> bool:
-        for out in outputs:
+    def _diverged_outputs(self, done: DoneEvent) -> bool:
+        for out in done["outputs"]:
             done_ids = self._delivered.get(out["index"], ([], ""))[0]
             common = min(len(done_ids), len(out["token_ids"]))
             if out["token_ids"][:common] != done_ids[:common]:
                 return True
         return False
 
-    def _restart(self, reason: str) -> dict[str, Any]:
+    def _restart(self, reason: str) -> RestartEvent:
         self._delivered = {}
-        return {"type": "restart", "attempt": self.attempt, "reason": reason}
+        return restart_event(self.attempt, reason)
 
-    def _chunk(self, event: dict[str, Any], index: int, pos: int, ids: list[int],
-               text: str) -> dict[str, Any]:
-        return {"type": "tokens", "attempt": event["attempt"], "index": index, "pos": pos,
-                "token_ids": list(ids), "text": text}
+    def _chunk(self, event: TokensEvent | DoneEvent, index: int, pos: int, ids: list[int],
+               text: str) -> TokensEvent:
+        return tokens_event(event["attempt"], index, pos, list(ids), text)

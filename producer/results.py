@@ -2,39 +2,32 @@
 per job, not per token.
 
 `Client.results(jobs)` is `[job.result() for job in jobs]` in a few round trips (Celery's
-ResultSet.get, asyncio.gather's return_exceptions): for a burst of short jobs the client's own
-per-job read was its largest cost, larger than the worker's per job.
+ResultSet.get, asyncio.gather's return_exceptions): for a burst of short jobs, a read per job
+would be the client's largest cost, larger than the worker's per job.
 
 It needs each job's terminal event (done / error) only, never its tokens. A worker writes the
 terminal event once, fenced, in the same script as the XACK of the job's entry, and nothing is
 written to the reply stream after it (worker/scripts.py FINISH_LUA): the terminal event of a
 finished job is the LAST entry of its reply stream. So a pass reads, in one Lua call per 512
-unfinished streams (LAST_ENTRIES_LUA: XREVRANGE + - COUNT 1 each), the last entry of each stream
-whose last entry is not the one the previous pass saw, and decodes only that one: a terminal event
-ends its job; of any other event only the type is read, and its id is the one seen. The entries
-before it are neither sent nor decoded. A stream that does not exist yet (the job has not
-started) has no last entry and is asked again next pass. (Per stream, the script costs the client
-~1.5 us and Redis ~5; a pipeline of XREVRANGEs cost the client 13 and Redis 2.5.)
+unfinished streams (LAST_ENTRIES_LUA: XREVRANGE + - COUNT 1 each, cheaper for the client than a
+pipeline of XREVRANGEs), the last entry of each stream whose last entry is not the one the
+previous pass saw, and decodes only that one: a terminal event ends its job; of any other event
+only the type is read, and its id is the one seen. The entries before it are neither sent nor
+decoded. A stream that does not exist yet (the job has not started) has no last entry and is
+asked again next pass.
 
 A pass that finds no stream changed waits: one XREAD BLOCK COUNT 1 on the oldest unfinished
 jobs' 512 streams from the entries seen (at most 100 ms) learns that one has news; what it reads
 is not decoded. Passes start at least `pass_interval(unfinished)` apart: 50 us per unfinished
 stream, from 2 ms up to 1 s. A crowd of streams that trickle tokens then makes one pass per
 interval, not one per token, so waiting costs a bounded share of a core however fast the tokens
-come (a pass costs ~7 us of client and Redis CPU per changed stream: ~15% of a core); as jobs end
-the interval shrinks, so the last ones are seen within a few ms of their ends (results come back
-when all have ended, so only the last ones' matter).
+come; as jobs end the interval shrinks, so the last ones are seen within a few ms of their ends
+(results come back when all have ended, so only the last ones' matter).
 
 A Redis user that may not run the script (an ACL without the selector docs/security.md gives
 it, which grants EVALSHA and XREVRANGE on reply streams) waits on XREAD alone, paced the same
 way: every new entry is sent, but only each stream's newest one is decoded. The refusal is
 remembered per connection.
-
-Measured (minimal model, one worker, redis-server and the client on 2 shared cores, old and new
-alternating in one process): 256 jobs streaming 64 tokens each, this function's CPU 15-19 -> 4-5
-us per token (XREAD alone: ~8), tokens/s unchanged to +35%; 2,000 jobs of one token, 48-63 ->
-25-32 us per job, jobs/s as before (4.2k -> 4.4k), the last result seen 7-10 ms after its end as
-before.
 """
 
 from __future__ import annotations
@@ -48,15 +41,10 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import redis
 
-from producer.protocol import (
-    DEFAULT_MAX_EVENT_BYTES,
-    EVENT_TYPES,
-    REPLY_FIELD,
-    TERMINAL_EVENT_TYPES,
-    ProtocolError,
-    as_str,
-    decode_event,
-)
+from producer.errors import JobError, ProtocolError, ResultExpired
+from producer.events import EVENT_TYPES, TERMINAL_EVENT_TYPES, TerminalEvent, decode_event
+from producer.protocol import DEFAULT_MAX_EVENT_BYTES, REPLY_FIELD, as_str
+from producer.reply_reader import result_from_events
 
 if TYPE_CHECKING:
     from producer.client import Job
@@ -141,8 +129,6 @@ def wait_results(conn: redis.Redis, jobs: Sequence[Job], timeout: float | None,
     first in order, once every job has ended), or with `return_exceptions` stands in the list in
     place of its result. When `timeout` seconds pass with jobs unfinished: TimeoutError, or with
     `return_exceptions` one in place of each unfinished job."""
-    from producer.client import JobError
-
     out: list[Any] = [None] * len(jobs)
     for index, value in iter_results(conn, jobs, timeout):
         if isinstance(value, TimeoutError) and not return_exceptions:
@@ -242,8 +228,6 @@ class _Wait:
         """Jobs whose stream has shown no entry yet: those whose result expired unread
         (reply_expired, for many: one MGET of marks per 512, then EXISTS for the marked) end
         with ResultExpired."""
-        from producer.client import ResultExpired
-
         never = [k for k in self.waiting if self.seen[k] == "0-0"]
         for lo in range(0, len(never), _STREAMS_PER_READ):
             chunk = never[lo:lo + _STREAMS_PER_READ]
@@ -300,8 +284,6 @@ class _Wait:
 
     def _newest(self, key: str, entry_id: str, value: bytes | None) -> None:
         """`value`: the event field of the entry `entry_id`, the newest of stream `key`."""
-        from producer.client import JobError, result_from_events
-
         if value is None:
             raise ProtocolError("missing_field", f"entry {entry_id} of {key} has no field "
                                                  f"{REPLY_FIELD!r}")
@@ -325,7 +307,7 @@ def _refused(exc: redis.ResponseError) -> bool:
         "user executing the script" in text or "unknown command" in text)
 
 
-def _terminal_event(value: bytes) -> dict[str, Any] | None:
+def _terminal_event(value: bytes) -> TerminalEvent | None:
     """The terminal event `value` holds, strictly decoded; None when it holds another event: of
     that one only the type is read (a quarter of decode_event's cost). ProtocolError when it is
     not an event."""
@@ -338,4 +320,4 @@ def _terminal_event(value: bytes) -> dict[str, Any] | None:
         if isinstance(kind, str) and kind in _NOT_TERMINAL:
             return None
     event = decode_event(value)
-    return event if event["type"] in TERMINAL_EVENT_TYPES else None
+    return event if event["type"] == "done" or event["type"] == "error" else None

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producer.client import Client, Job, JobError
+from producer.client import Client, Job
+from producer.errors import JobError
 from producer.flags import DefaultsHelpFormatter, add_redis_args
 from producer.protocol import ProtocolError
 from producer.results import iter_results

@@ -17,14 +17,8 @@ from typing import Any
 
 from engine.grammar import grammar_of
 from engine.sampling_params import SamplingParams
-from producer.protocol import (
-    JobSpec,
-    Keys,
-    ProtocolError,
-    attempt_base,
-    check_limits,
-    decode_job_entry,
-)
+from producer.limits import check_limits
+from producer.protocol import JobSpec, Keys, ProtocolError, attempt_base, decode_job_entry
 from worker.config import WorkerConfig
 from worker.jobs import ActiveJob
 from worker.token_text import TokenTexts

@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from producer.events import Event, TokensEvent, tokens_event
+
 
 class EventWrite(NamedTuple):
     """Events of one attempt (unencoded), written only while this worker still owns the entry.
@@ -17,7 +19,7 @@ class EventWrite(NamedTuple):
     entry_id: str
     deliveries: int
     reply_key: str
-    events: list[dict[str, Any]]
+    events: list[Event]
 
 
 class FinishWrite(NamedTuple):
@@ -82,7 +84,7 @@ def coalesce(writes: list[EventWrite]) -> list[EventWrite]:
     if len({(w.entry_id, w.deliveries) for w in writes}) == len(writes):
         return writes  # one step's worth: already one event per sequence
     merged: dict[tuple[str, int], EventWrite] = {}
-    open_chunks: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}  # per attempt, per index
+    open_chunks: dict[tuple[str, int], dict[int, TokensEvent]] = {}  # per attempt, per index
     for w in writes:
         key = (w.entry_id, w.deliveries)
         if key not in merged:
@@ -102,8 +104,9 @@ def coalesce(writes: list[EventWrite]) -> list[EventWrite]:
                 if "logprobs" in last or "logprobs" in event:
                     last["logprobs"] = last.get("logprobs", []) + event.get("logprobs", [])
                 continue
-            chunk = dict(event)  # the inputs are left as they were
-            chunk["token_ids"] = list(event["token_ids"])
+            # (a copy: the inputs are left as they were)
+            chunk = tokens_event(event["attempt"], event["index"], event["pos"],
+                                 list(event["token_ids"]), event["text"], event.get("logprobs"))
             chunks[event["index"]] = chunk
             out.append(chunk)
     return list(merged.values())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from producer.protocol import DEFAULT_PREFIX, Limits, validate_name
+from producer.limits import Limits
+from producer.protocol import DEFAULT_PREFIX, validate_name
 
 
 @dataclass(frozen=True)

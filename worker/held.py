@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 from engine.outputs import RequestOutput
-from producer.protocol import Keys, encode_event, error_event
+from producer.events import encode_event, error_event
+from producer.protocol import Keys
 from worker.admission import Rejection
 from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer

@@ -20,7 +20,8 @@ import msgpack
 import redis
 
 from producer.connection import RETRYABLE
-from producer.protocol import as_str, encode_event
+from producer.events import encode_event
+from producer.protocol import as_str
 from worker.batch import Batch, EventWrite, chunks, finish_args, finish_keys, merge
 from worker.scripts import Scripts
 

@@ -9,7 +9,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import CompletionOutput, RequestOutput
-from producer.protocol import JobSpec, done_event, encode_event, error_event, tokens_event
+from producer.events import (
+    Event,
+    Logprobs,
+    Output,
+    TokensEvent,
+    done_event,
+    encode_event,
+    error_event,
+    tokens_event,
+)
+from producer.protocol import JobSpec
 from worker.token_text import TokenTexts
 
 
@@ -41,10 +51,10 @@ class ActiveJob:
         return self.spec.id
 
 
-def token_events(job: ActiveJob, output: RequestOutput) -> tuple[list[dict[str, Any]], int]:
+def token_events(job: ActiveJob, output: RequestOutput) -> tuple[list[Event], int]:
     """Take in one delta output: the tokens events for it (none when the job does not stream)
     and how many tokens it brought."""
-    events: list[dict[str, Any]] = []
+    events: list[Event] = []
     new_tokens = 0
     for comp in output.outputs:
         index, new, text = comp.index, comp.token_ids, comp.text
@@ -68,19 +78,16 @@ def token_events(job: ActiveJob, output: RequestOutput) -> tuple[list[dict[str, 
             continue  # text without a token (held back until the end) goes in the done event
         new_tokens += len(new)
         if job.stream_tokens:
-            if comp.logprobs is None:  # (tokens_event's map, built here: once per token)
-                events.append({"type": "tokens", "attempt": job.attempt, "index": index,
-                               "pos": pos, "token_ids": new, "text": text})
-            else:
-                events.append(tokens_event(job.attempt, index, pos, new, text,
-                                           _logprobs(job, output.prompt_token_ids, index, pos)))
+            logprobs = None if comp.logprobs is None \
+                else _logprobs(job, output.prompt_token_ids, index, pos)
+            events.append(tokens_event(job.attempt, index, pos, new, text, logprobs))
     if new_tokens and job.first_token_at is None:
         job.first_token_at = time.time()
     return events, new_tokens
 
 
 def _interval_event(job: ActiveJob, output: RequestOutput, comp: CompletionOutput,
-                    ids: list[int]) -> dict[str, Any] | None:
+                    ids: list[int]) -> TokensEvent | None:
     """The tokens event of sequence `comp.index` under a stream interval, when one is due: its
     first token, then every `stream_interval` tokens, and what is left when it ends."""
     index = comp.index
@@ -112,23 +119,23 @@ def terminal_event(job: ActiveJob, output: RequestOutput) -> bytes:
     return encode_event(done_event(job.attempt, outputs, usage, timing))
 
 
-def _output_map(job: ActiveJob, prompt_ids: list[int], comp: CompletionOutput) -> dict[str, Any]:
+def _output_map(job: ActiveJob, prompt_ids: list[int], comp: CompletionOutput) -> Output:
     """One sequence's whole output. A ranked request (best_of > n, beam search) outputs only at
     the end, whole, under indices of its own: its final output is all there is."""
     index = comp.index
-    out: dict[str, Any] = {"index": index, "token_ids": job.token_ids.get(index, []),
-                           "text": "".join(job.texts.get(index, [])),
-                           "finish_reason": comp.finish_reason,
-                           "cumulative_logprob": None if comp.cumulative_logprob is None
-                           else float(comp.cumulative_logprob),
-                           "stop_reason": comp.stop_reason}
+    out: Output = {"index": index, "token_ids": job.token_ids.get(index, []),
+                   "text": "".join(job.texts.get(index, [])),
+                   "finish_reason": comp.finish_reason,
+                   "cumulative_logprob": None if comp.cumulative_logprob is None
+                   else float(comp.cumulative_logprob),
+                   "stop_reason": comp.stop_reason}
     if comp.logprobs is not None:
         out["logprobs"] = _logprobs(job, prompt_ids, index, 0)
     return out
 
 
 def _logprobs(job: ActiveJob, prompt_ids: list[int], index: int,
-              start: int) -> list[list[list[Any]]]:
+              start: int) -> Logprobs:
     """Per position from `start`: [[token_id, logprob, text], ...], the sampled token first
     (then the top-k), each token's text as it reads right after the tokens before it."""
     tops = job.top_logprobs.get(index, [])

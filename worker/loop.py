@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 from producer.connection import RETRYABLE, connect
-from producer.protocol import Keys, started_event
+from producer.events import started_event
+from producer.protocol import Keys
 from worker.admission import Admission, Admitted, Rejection, free_capacity
 from worker.batch import Batch, EventWrite
 from worker.cancel import CancelListener, Cancels
@@ -169,7 +170,7 @@ class Worker:
     # ------------------------------------------------------------------ one iteration
 
     def _iteration(self, reading: bool) -> None:
-        self._housekeeping()
+        self.housekeeping()
         if reading:
             self._read_new()
         if self.engine.has_unfinished():
@@ -181,22 +182,26 @@ class Worker:
                 self.held.emit(outputs)
         elif not reading or self._capacity() == 0:
             time.sleep(0.002)  # nothing to step; wait for the writer to finish what is held
-        self._stats = self.engine.stats()
-        self._wait_for_writer()
+        self.after_step()
 
-    def _housekeeping(self) -> None:
+    def housekeeping(self) -> None:
         """Before a step: the writer's feedback, cancels, deadlines."""
         self.held.take_writer_feedback()
         self._apply_cancels()
         self.held.expire_deadlines()
 
-    def _wait_for_writer(self) -> None:
-        """After a step: while the writer is behind (e.g. Redis is down), wait for it; a stop
-        request ends the wait (the drain that follows bounds the rest)."""
-        while self.writer.backlog() > 8 and not self._drain_expired() and not (
-                self._drain_end is None and self.stop_requested.is_set()):
+    def after_step(self) -> None:
+        """After a step: refresh the stats; while the writer is behind (e.g. Redis is down),
+        wait for it, until a stop request (the drain that follows bounds the rest)."""
+        self._stats = self.engine.stats()
+        while self.writer.backlog() > 8 and not self.stopping():
             time.sleep(0.002)
             self.held.take_writer_feedback()
+
+    def stopping(self) -> bool:
+        """Whether to stop what runs now: the drain's time is up, or a stop was requested and
+        the drain has not begun (it runs what is in the engine and hands back the rest)."""
+        return self._drain_expired() or (self.stop_requested.is_set() and self._drain_end is None)
 
     def _drain_expired(self) -> bool:
         return self._drain_end is not None and time.monotonic() > self._drain_end

@@ -22,10 +22,10 @@ from worker.metrics import MetricsServer, Registry
 def tune_gc() -> None:
     """The garbage collector for a serving loop, once the engine is loaded. The hundreds of
     thousands of objects torch and transformers leave behind at start-up are never garbage: keep
-    them out of every later collection (a full one took ~200 ms; vLLM freezes its heap the same
-    way). Each step allocates thousands of short-lived objects per running request (outputs,
-    events), nearly all freed by reference counting: collect the young generation every 20,000
-    allocations instead of every 700 (a few % more tokens/s at 256 running)."""
+    them out of every later collection, where a full collection would walk them all (vLLM
+    freezes its heap the same way). Each step allocates thousands of short-lived objects per
+    running request (outputs, events), nearly all freed by reference counting: collect the
+    young generation every 20,000 allocations instead of every 700."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 100)
@@ -156,8 +156,8 @@ def metrics_bind_error(host: str, port: int, exc: OSError) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The worker encodes one prompt at a time on its step thread: the tokenizer's thread pool
-    # only adds a hand-off per call (12 -> 22 us for a short prompt) and wakes threads on the
-    # cores Redis needs; round trips ran ~15-20% faster without it. A value the user set wins.
+    # would only add a hand-off per call and wake threads on the cores Redis needs. A value the
+    # user set wins.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {args.name or default_name()} %(levelname)s "

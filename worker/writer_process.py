@@ -1,15 +1,14 @@
 """The writer process: the writer (worker/io_thread.py) in a child process of its own, so its
 per-event Python work runs on another core instead of taking turns with the engine's thread for
 the GIL. It is the worker's default (--writer process); --writer thread keeps it in-process.
-Where the engine's own CPU per token is small (a GPU's, or a small model's) that is what bounds
-a worker's streaming: 256 running on the minimal CPU model, alternating rounds in one run,
-thread 38-64k tokens/s (median 50k), process 52-83k (median 65k); on the tests' tiny model,
-whose forward pass dominates, 28-51k either way.
+Where the engine's own CPU per token is small (a GPU's, or a small model's), the writer's
+per-event work is what bounds a worker's streaming, so it gets a core of its own; where the
+forward pass dominates, either is as fast (docs/benchmarks.md has the figures).
 
 WriterProcess, on the worker's side, has the writer thread's interface (submit, backlog, flush,
 check, stop, the `lost` and `finished` queues). The child's feedback is read when the loop asks
 (backlog, check, flush: non-blocking reads of the pipe), not by a thread: a thread woken by
-every write's feedback took the GIL from the engine's thread at each step. Likewise a submit
+every write's feedback would take the GIL from the engine's thread at each step. Likewise a submit
 never blocks: what the pipe to the child cannot take now waits in the worker and goes in as the
 child reads (so a worker stopping while Redis is down, the child stuck retrying, still stops
 within its flush timeout however much it hands back).

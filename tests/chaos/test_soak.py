@@ -25,7 +25,8 @@ import pytest
 import redis
 
 from producer import Client
-from producer.protocol import TERMINAL_EVENT_TYPES, Keys, decode_heartbeat, decode_job_entry
+from producer.events import TERMINAL_EVENT_TYPES
+from producer.protocol import Keys, decode_heartbeat, decode_job_entry
 from tests.chaos.conftest import Oracle
 from tests.fleet.harness import (
     RedisServer,

@@ -13,7 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from producer.protocol import REPLY_FIELD, Keys, decode_event
+from producer.events import decode_event
+from producer.protocol import REPLY_FIELD, Keys
 from tests.ecosystem.gateway_harness import GatewayProcess
 from tests.fleet.harness import RedisServer, serving_worker, wait_for
 

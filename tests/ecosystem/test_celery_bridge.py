@@ -165,7 +165,7 @@ def test_the_bridge_refuses_pickled_tasks(redis_url: str) -> None:
 def test_a_task_whose_bridge_died_is_delivered_again_and_attaches_to_the_running_job(
         redis_url: str, tmp_path: Path) -> None:
     from producer import Client
-    from producer.protocol import decode_event
+    from producer.events import decode_event
 
     extra = ("--visibility-timeout", "2")
     bridge = start_bridge(redis_url, tmp_path / "first.log", *extra, queue="crash")

@@ -22,7 +22,8 @@ import httpx
 import openai
 import pytest
 
-from producer.protocol import Keys, encode_event, tokens_event
+from producer.events import encode_event, tokens_event
+from producer.protocol import Keys
 from tests.ecosystem.gateway_harness import MODEL_DIR, REPO, GatewayProcess, gateway_fleet
 from tests.fleet.harness import (
     RedisServer,
@@ -364,8 +365,8 @@ def test_text_no_tokens_event_carried_is_sent_with_the_finish(chat: bool) -> Non
     # A request the engine ends itself (it outgrew the KV cache) releases the text it held back
     # for a stop string only in the done event: the stream must still add up to the done text.
     from producer import openai_schema as oa
+    from producer.events import done_event, tokens_event
     from producer.openai_choices import Choices
-    from producer.protocol import done_event, tokens_event
     from producer.replies import ReplyDeduper
 
     req = (oa.ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}])

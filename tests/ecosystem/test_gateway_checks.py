@@ -14,19 +14,12 @@ import pytest
 
 from producer import Client
 from producer.cli import queue_rows
+from producer.events import done_event, encode_event, started_event, tokens_event
 from producer.gateway import GatewayConfig
 from producer.gateway_app import create_app
+from producer.limits import Limits
 from producer.openai_schema import CompletionRequest
-from producer.protocol import (
-    REPLY_FIELD,
-    Keys,
-    Limits,
-    done_event,
-    encode_event,
-    encode_heartbeat,
-    started_event,
-    tokens_event,
-)
+from producer.protocol import REPLY_FIELD, Keys, encode_heartbeat
 from tests.fleet.harness import RedisServer, free_port
 
 KEYS = Keys()

@@ -125,8 +125,9 @@ def test_several_prompts_one_over_a_cap_enqueue_nothing(
 def test_a_reply_reader_waits_out_a_redis_outage_without_spinning(tmp_path: Path) -> None:
     """While Redis is down a refused connect fails at once: the reader backs off (0.05 s
     doubling) instead of retrying in a tight loop, and reads on once Redis is back."""
+    from producer.events import done_event, encode_event
     from producer.gateway_fleet import GatewayRedis, JobReader
-    from producer.protocol import Keys, done_event, encode_event
+    from producer.protocol import Keys
 
     server = RedisServer(tmp_path)
     server.start()

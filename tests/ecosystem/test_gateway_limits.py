@@ -15,16 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
+from producer.events import encode_event, started_event, tokens_event
 from producer.gateway import GatewayConfig
 from producer.gateway_app import create_app
-from producer.protocol import (
-    REPLY_FIELD,
-    Keys,
-    encode_event,
-    encode_heartbeat,
-    started_event,
-    tokens_event,
-)
+from producer.protocol import REPLY_FIELD, Keys, encode_heartbeat
 from tests.ecosystem.gateway_harness import GatewayProcess
 from tests.fleet.harness import RedisServer, wait_for
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from producer.protocol import REPLY_FIELD, Keys, decode_event
+from producer.events import decode_event
+from producer.protocol import REPLY_FIELD, Keys
 from tests.fleet.harness import RedisServer, serving_worker, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -185,7 +185,8 @@ def as_expected(result: dict[str, Any]) -> Expected:
 
 def reply_events(server: RedisServer, job_id: str) -> list[dict[str, Any]]:
     """Every raw event in a job's reply stream (all attempts)."""
-    from producer.protocol import REPLY_FIELD, Keys, decode_event
+    from producer.events import decode_event
+    from producer.protocol import REPLY_FIELD, Keys
 
     entries = server.client().xrange(Keys().reply(job_id))
     return [decode_event(fields[REPLY_FIELD.encode()]) for _id, fields in entries]

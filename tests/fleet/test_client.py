@@ -11,17 +11,8 @@ import threading
 import pytest
 
 from producer import AsyncClient, Client, JobError
-from producer.protocol import (
-    REPLY_FIELD,
-    Keys,
-    ProtocolError,
-    decode_job_entry,
-    done_event,
-    encode_event,
-    error_event,
-    started_event,
-    tokens_event,
-)
+from producer.events import done_event, encode_event, error_event, started_event, tokens_event
+from producer.protocol import REPLY_FIELD, Keys, ProtocolError, decode_job_entry
 from tests.fleet.harness import REPO, RedisServer, wait_for
 
 KEYS = Keys()

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from producer import Client
-from producer.protocol import REPLY_FIELD, Keys, ProtocolError, decode_event
+from producer.events import decode_event
+from producer.protocol import REPLY_FIELD, Keys, ProtocolError
 from tests.fleet.harness import Expected, RedisServer, WorkerFactory, as_expected, wait_heartbeats
 
 Oracle = Callable[[list[str], Any], list[Expected]]

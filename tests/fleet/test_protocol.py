@@ -11,24 +11,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.protocol import (
-    SAMPLING_PARAM_NAMES,
-    JobSpec,
-    Keys,
-    Limits,
-    ProtocolError,
-    check_job_bytes,
-    check_job_spec,
-    check_limits,
+from producer.events import (
     decode_event,
-    decode_job_entry,
     decode_reply_entry,
     done_event,
     encode_event,
-    encode_job_entry,
     error_event,
     started_event,
     tokens_event,
+)
+from producer.job_params import SAMPLING_PARAM_NAMES
+from producer.limits import Limits, check_job_bytes, check_limits
+from producer.protocol import (
+    JobSpec,
+    Keys,
+    ProtocolError,
+    check_job_spec,
+    decode_job_entry,
+    encode_job_entry,
     waiting_entries,
 )
 from producer.replies import ReplyDeduper

@@ -8,12 +8,11 @@ import msgpack
 import pytest
 
 from producer.client import make_job_spec
+from producer.limits import Limits, check_limits
 from producer.protocol import (
     JobSpec,
-    Limits,
     ProtocolError,
     check_job_spec,
-    check_limits,
     decode_job_entry,
     encode_job_entry,
 )

@@ -11,16 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from producer import Client, JobError
-from producer.protocol import (
-    REPLY_FIELD,
-    Keys,
-    ProtocolError,
-    done_event,
-    encode_event,
-    error_event,
-    started_event,
-    tokens_event,
-)
+from producer.events import done_event, encode_event, error_event, started_event, tokens_event
+from producer.protocol import REPLY_FIELD, Keys, ProtocolError
 from producer.results import _SCRIPT_REFUSED, pass_interval
 from tests.fleet.harness import RedisServer
 from tests.security.secure_redis import ACL_RULES, PASSWORDS, RESULTS_SELECTOR

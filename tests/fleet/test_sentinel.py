@@ -88,7 +88,8 @@ def params(i: int) -> dict[str, Any]:
 
 
 def done_events(primary: redis.Redis, job_id: str) -> int:
-    from producer.protocol import REPLY_FIELD, decode_event
+    from producer.events import decode_event
+    from producer.protocol import REPLY_FIELD
 
     entries = primary.xrange(Keys().reply(job_id))
     return sum(decode_event(f[REPLY_FIELD.encode()])["type"] == "done" for _i, f in entries)

@@ -95,7 +95,9 @@ def test_a_bad_grammar_is_invalid_params_and_the_worker_serves_on(
 
 def test_the_wire_carries_structured_outputs_logit_bias_and_allowed_token_ids() -> None:
     from engine import SamplingParams
-    from producer.protocol import JobSpec, Limits, ProtocolError, check_limits, check_params
+    from producer.job_params import check_params
+    from producer.limits import Limits, check_limits
+    from producer.protocol import JobSpec, ProtocolError
 
     params = check_params({"structured_outputs": {"json": {"type": "object"}},
                            "logit_bias": {5: -100, "7": 2.5}, "allowed_token_ids": [1, 2]})

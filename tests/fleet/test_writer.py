@@ -8,15 +8,8 @@ import msgpack
 import pytest
 import redis
 
-from producer.protocol import (
-    REPLY_FIELD,
-    Keys,
-    decode_event,
-    encode_event,
-    error_event,
-    started_event,
-    tokens_event,
-)
+from producer.events import decode_event, encode_event, error_event, started_event, tokens_event
+from producer.protocol import REPLY_FIELD, Keys
 from tests.fleet.harness import RedisServer
 from worker.batch import Batch, EventWrite, FinishWrite, coalesce, finish_args, finish_keys
 from worker.io_thread import Writer

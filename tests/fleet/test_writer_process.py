@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from producer.protocol import Keys, encode_event, error_event, started_event, tokens_event
+from producer.events import encode_event, error_event, started_event, tokens_event
+from producer.protocol import Keys
 from tests.fleet.harness import REPO, RedisServer, wait_for
 from tests.fleet.test_writer import JOBS, events_of, setup_group
 from worker.batch import Batch, EventWrite, FinishWrite

@@ -14,7 +14,8 @@ from typing import Any
 
 import msgpack
 
-from producer.protocol import REPLY_FIELD, Keys, decode_event
+from producer.events import decode_event
+from producer.protocol import REPLY_FIELD, Keys
 from tests.fleet.harness import WorkerProcess, wait_for
 from tests.security.conftest import Oracle
 from tests.security.secure_redis import SecureRedis
