@@ -19,7 +19,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.models.layers import ForwardContext
-from engine.scheduler import ScheduledSeq
+from engine.scheduler_output import ScheduledSeq
 
 
 class ModelRunner:

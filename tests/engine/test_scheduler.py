@@ -1,12 +1,13 @@
-"""Scheduler invariants, driven without a model: a fake step appends token 1 to every sequence
-that samples."""
+"""Scheduler invariants, driven without a model: a fake step samples token 1 for every sequence
+that samples, and Scheduler.update applies it."""
 
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import Sample, Sampled, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup
 
 _ids = iter(range(10**6))
@@ -26,17 +27,11 @@ def add(sched: Scheduler, prompt_len: int, t: float, max_tokens: int = 8, n: int
 
 
 def fake_step(sched: Scheduler) -> SchedulerOutput:
+    """A step whose every sampling sequence draws token 1, applied by Scheduler.update."""
     out = sched.schedule()
-    for item in out.scheduled:
-        item.seq.num_computed_tokens += item.num_new_tokens
-        if item.do_sample:
-            item.seq.token_ids.append(1)
-            if item.seq.num_output_tokens >= item.group.params.max_tokens:
-                item.seq.finish_reason = "length"
-                sched.block_manager.free(item.seq)
-    for g in list(sched.running):
-        if g.is_finished():
-            sched.running.remove(g)
+    items = [item for item in out.scheduled if item.do_sample]
+    sched.update(out, Sampled(items, samples=[Sample(i.group, i.seq, i.seq.index, 1)
+                                              for i in items]))
     return out
 
 
