@@ -75,6 +75,18 @@ class Postprocessor:
                 done.append(group)
         return done
 
+    def end(self, group: SequenceGroup, reason: str, error: str | None) -> None:
+        """End `group` before its sequences do (the scheduler found it cannot run): its live
+        sequences end with `reason`, every block it holds is freed."""
+        self.block_manager.free_group(group)
+        for seq in group.live_seqs():
+            seq.finish_reason = reason
+        for seq in group.seqs:
+            if seq.finish_reason != "stop":  # (those that stopped have their text)
+                self.checker.final_text(seq, group.params)
+        group.error = error
+        self.finish(group)
+
     @staticmethod
     def finish(group: SequenceGroup, now: float | None = None) -> None:
         group.status = SequenceStatus.FINISHED

@@ -30,10 +30,8 @@ groups that are not more urgent. With every priority equal this is FCFS.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
-import random
 from collections import deque
 from collections.abc import Iterator
 
@@ -41,8 +39,9 @@ from engine.block_manager import AllocStatus, BlockManager
 from engine.budget import StepBudget, never_fits_budget
 from engine.config import EngineConfig
 from engine.postprocess import Postprocessor
+from engine.preemption import Preemptor
 from engine.scheduler_output import Sampled, ScheduledSeq, SchedulerOutput
-from engine.sequence import SequenceGroup, SequenceStatus
+from engine.sequence import SequenceGroup, SequenceStatus, insert_by_rank, priority
 from engine.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -70,6 +69,7 @@ class Scheduler:
                          "num_artificial_preemptions": 0, "num_infeasible": 0,
                          "num_priority_preemptions": 0,
                          "num_prompt_tokens": 0, "num_cached_tokens": 0}
+        self.preemptor = Preemptor(config, block_manager, self.counters)
         self.reset()
 
     def reset(self) -> None:
@@ -78,14 +78,14 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
-        self._rng = random.Random(self.config.artificial_preemption_seed)
+        self.preemptor.reset()
         self._priorities: set[int] = set()
         self._preempted_last_step = False
 
     # -- queues ----------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
         self._priorities.add(group.priority)
-        _insert_by_rank(self.waiting, group)
+        insert_by_rank(self.waiting, group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         for queue in (self.waiting, self.running, self.swapped):
@@ -119,7 +119,7 @@ class Scheduler:
         if self._by_priority and len(self._priorities) > 1:
             # Least urgent last, admission order within a priority (a stable sort): preemption
             # takes victims from the tail, as under FCFS.
-            self.running = deque(sorted(self.running, key=_priority))
+            self.running = deque(sorted(self.running, key=priority))
             if self.waiting and self.running:
                 self._preempt_for_urgent(out)
         self._schedule_running(out, budget)
@@ -166,7 +166,7 @@ class Scheduler:
                 table = tables.get(seq.seq_id, ())
                 if len(seq.token_ids) - pos == 1 and pos // bs < len(table) \
                         and ref_counts[table[pos // bs]] == 1:
-                    forced = artificial and self._artificial_preemption()
+                    forced = artificial and self.preemptor.draw_artificial()
                     if not forced:
                         scheduled.append(ScheduledSeq(group, seq, 1, True))
                         budget.tokens -= 1
@@ -211,7 +211,7 @@ class Scheduler:
         (one draw per scheduled running group, whichever path it takes)."""
         bm = self.block_manager
         if forced is None:
-            forced = self._artificial_preemption()
+            forced = self.preemptor.draw_artificial()
         while True:
             needed = sum(bm.blocks_to_append(s.seq, s.num_new_tokens) for s in plan)
             if needed <= bm.num_free_blocks and not forced:
@@ -306,62 +306,11 @@ class Scheduler:
         out.scheduled.extend(plan)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        bm = self.block_manager
-        out.num_preempted += 1
-        group.num_preemptions += 1
-        mode = self.config.preemption_mode
-        if mode == "auto":
-            mode = "swap" if len(group.live_seqs()) > 1 else "recompute"
-        if mode == "swap" and bm.can_swap_out(group):
-            out.blocks_to_swap_out.extend(bm.swap_out(group))
-            group.status = SequenceStatus.SWAPPED
-            _insert_by_rank(self.swapped, group)
-            self.counters["num_swap_outs"] += 1
-            return
-        # Recompute (also the fallback when host swap space is exhausted).
-        bm.free_group(group)
-        for seq in group.live_seqs():
-            seq.reset_for_recompute()
-        group.status = SequenceStatus.WAITING
-        _insert_by_rank(self.waiting, group)
-        self.counters["num_recompute_preemptions"] += 1
-
-    def _artificial_preemption(self) -> bool:
-        p = self.config.artificial_preemption_prob
-        if p <= 0.0 or self.counters["num_artificial_preemptions"] >= \
-                self.config.artificial_preemption_max:
-            return False
-        if self._rng.random() < p:
-            self.counters["num_artificial_preemptions"] += 1
-            return True
-        return False
+        self.preemptor.preempt(group, out)
+        swapped = group.status is SequenceStatus.SWAPPED
+        insert_by_rank(self.swapped if swapped else self.waiting, group)
 
     def _finish(self, group: SequenceGroup, reason: str, error: str | None,
                 out: SchedulerOutput) -> None:
-        self.block_manager.free_group(group)
-        for seq in group.live_seqs():
-            seq.finish_reason = reason
-        for seq in group.seqs:
-            if seq.finish_reason != "stop":  # (those that stopped have their text)
-                self.postprocessor.checker.final_text(seq, group.params)
-        group.error = error
-        self.postprocessor.finish(group)
+        self.postprocessor.end(group, reason, error)
         out.finished.append(group)
-
-
-def _priority(group: SequenceGroup) -> int:
-    return group.priority
-
-
-def _rank(group: SequenceGroup) -> tuple[int, float]:
-    """Queue order: (priority, arrival); under "fcfs" every priority is 0, so arrival order."""
-    return group.priority, group.arrival_time
-
-
-def _insert_by_rank(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
-    rank = _rank(group)
-    if not queue or _rank(queue[-1]) <= rank:
-        queue.append(group)
-        return
-    keys = [_rank(g) for g in queue]
-    queue.insert(bisect.bisect_right(keys, rank), group)
