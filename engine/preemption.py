@@ -10,8 +10,9 @@ are drawn from a seeded generator, at most artificial_preemption_max of them.
 from __future__ import annotations
 
 import random
+from collections import deque
 
-from engine.block_manager import BlockManager
+from engine.block_manager import AllocStatus, BlockManager
 from engine.config import EngineConfig
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import SequenceGroup, SequenceStatus
@@ -46,6 +47,24 @@ class Preemptor:
             seq.reset_for_recompute()
         group.status = SequenceStatus.WAITING
         self.counters["num_recompute_preemptions"] += 1
+
+    def preempt_for(self, urgent: SequenceGroup, running: deque[SequenceGroup],
+                    out: SchedulerOutput) -> list[SequenceGroup]:
+        """Under "priority": preempt the least urgent running groups (the tail of `running`),
+        while they are less urgent than the waiting group `urgent` and it cannot be admitted
+        (its blocks, or its sequences). Returns them, in the order they were preempted."""
+        bm, victims = self.block_manager, []
+        while running and running[-1].priority > urgent.priority:
+            status = bm.can_allocate(urgent, bm.prefix_hits(urgent))
+            if status is AllocStatus.NEVER:
+                break  # (it ends with an error when its turn comes; preempting cannot help)
+            seqs = sum(max(len(g.live_seqs()), 1 if g.forked else g.width) for g in running)
+            if status is AllocStatus.OK and seqs + urgent.width <= self.config.max_num_seqs:
+                break
+            victims.append(running.pop())
+            self.preempt(victims[-1], out)
+            self.counters["num_priority_preemptions"] += 1
+        return victims
 
     def draw_artificial(self) -> bool:
         """Whether this running group is preempted artificially (one draw per group)."""

@@ -121,7 +121,8 @@ class Scheduler:
             # takes victims from the tail, as under FCFS.
             self.running = deque(sorted(self.running, key=priority))
             if self.waiting and self.running:
-                self._preempt_for_urgent(out)
+                for victim in self.preemptor.preempt_for(self.waiting[0], self.running, out):
+                    self._requeue(victim)
         self._schedule_running(out, budget)
         if out.num_preempted == 0:
             self._schedule_swapped(out, budget)
@@ -183,20 +184,6 @@ class Scheduler:
             self._commit(group, plan, out, budget)
             kept.append(group)
         self.running = kept
-
-    def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
-        """Preempt the least urgent running groups, while they are less urgent than the most
-        urgent waiting group and it cannot be admitted (its blocks, or its sequences)."""
-        urgent, bm = self.waiting[0], self.block_manager
-        while self.running and self.running[-1].priority > urgent.priority:
-            status = bm.can_allocate(urgent, bm.prefix_hits(urgent))
-            if status is AllocStatus.NEVER:
-                return  # (it ends with an error when its turn comes; preempting cannot help)
-            seqs = sum(max(len(g.live_seqs()), 1 if g.forked else g.width) for g in self.running)
-            if status is AllocStatus.OK and seqs + urgent.width <= self.config.max_num_seqs:
-                return
-            self._preempt(self.running.pop(), out)
-            self.counters["num_priority_preemptions"] += 1
 
     def _outranks_swapped(self) -> bool:
         """Under "priority": the most urgent waiting group may be admitted past swapped ones."""
@@ -307,6 +294,10 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.preemptor.preempt(group, out)
+        self._requeue(group)
+
+    def _requeue(self, group: SequenceGroup) -> None:
+        """A preempted group joins its queue in rank order, so FCFS holds across preemptions."""
         swapped = group.status is SequenceStatus.SWAPPED
         insert_by_rank(self.swapped if swapped else self.waiting, group)
 
