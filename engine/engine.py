@@ -13,7 +13,6 @@ import itertools
 import random
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import (
     DTYPES,
     load_config,
+    load_eos_ids,
     load_model,
     load_tokenizer,
     max_positions,
@@ -69,7 +69,7 @@ class Engine:
         self.delta_outputs = config.output_kind == "delta"
         self.model = load_model(config.model, hf_config, config.dtype, self.device, limit)
         self.vocab_size = int(hf_config.vocab_size)
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, config.model)
+        self.eos_token_ids = load_eos_ids(hf_config, self.tokenizer, config.model)
         backend = select_backend(config, self.device, self.model.head_dim)  # type: ignore
         block_bytes = bytes_per_block(self.model.num_layers, config.block_size,  # type: ignore
                                       self.model.num_kv_heads, self.model.head_dim,  # type: ignore
@@ -289,20 +289,3 @@ class Engine:
             seq.finish_reason = "error"
         group.error = message
         self._rejected.append(group)
-
-
-def _eos_ids(hf_config: Any, tokenizer: Any, model_dir: str | None = None) -> set[int]:
-    """The ids that end a sequence: config.json's (else the tokenizer's), plus those of
-    generation_config.json, which transformers' generate() and vLLM stop on too (chat models
-    list their end-of-turn token there)."""
-    ids = getattr(hf_config, "eos_token_id", None)
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    found = set() if ids is None else set(ids) if isinstance(ids, list) else {int(ids)}
-    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        extra = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        if extra is not None:
-            found |= set(extra) if isinstance(extra, list) else {int(extra)}
-    return found

@@ -58,7 +58,7 @@ class StepSampler:
                     continue
             banned = None
             # min_tokens bans EOS and stop ids unless the grammar is complete and allows only
-            # EOS: then EOS may end it early (vLLM's rule, since its PR #54218).
+            # EOS: then EOS may end it early (vLLM's rule).
             if num_out < params.min_tokens and not done:
                 banned = params.stop_token_ids + ([] if params.ignore_eos else sorted(eos))
             forked = params.best_of == 1 or group.forked
