@@ -36,7 +36,7 @@ class StepBudget:
         if computed is None:
             computed = [s.num_computed_tokens for s in seqs]
         rest = [s.num_tokens - c for s, c in zip(seqs, computed)]
-        chunk = config.enable_chunked_prefill or group.num_preemptions > 0
+        chunk = chunks(group, config)
         if group.params.use_beam_search:
             if sum(rest) <= left:
                 return [ScheduledSeq(group, s, r, True) for s, r in zip(seqs, rest)]
@@ -46,12 +46,24 @@ class StepBudget:
                     left -= plan[-1].num_new_tokens
             return plan
         for seq, remaining in zip(seqs, rest):
-            take = min(remaining, left) if chunk else remaining
-            if take == 0 or take > left:
+            num = take(remaining, left, chunk)
+            if not num:
                 break  # the rest of the group runs in a later step
-            plan.append(ScheduledSeq(group, seq, take, take == remaining))
-            left -= take
+            plan.append(ScheduledSeq(group, seq, num, num == remaining))
+            left -= num
         return plan
+
+
+def chunks(group: SequenceGroup, config: EngineConfig) -> bool:
+    """Whether `group` may run its prompt in chunks."""
+    return config.enable_chunked_prefill or group.num_preemptions > 0
+
+
+def take(remaining: int, left: int, chunk: bool) -> int:
+    """Of a sequence's `remaining` tokens, those this step runs with `left` in the budget: 0
+    when they do not fit (a sequence that does not chunk runs all its tokens or none)."""
+    num = min(remaining, left) if chunk else remaining
+    return num if 0 < num <= left else 0
 
 
 def never_fits_budget(group: SequenceGroup, config: EngineConfig) -> bool:

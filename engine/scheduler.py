@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from engine.block_manager import AllocStatus, BlockManager
-from engine.budget import StepBudget, never_fits_budget
+from engine.budget import StepBudget, chunks, never_fits_budget, take
 from engine.config import EngineConfig
 from engine.postprocess import Postprocessor
 from engine.preemption import Preemptor
@@ -49,17 +49,17 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     """`checker` ends sequences (without one: no EOS, no text); `seq_ids` numbers the sequences
-    forks create (the engine's counter). `decode_fast_path` False sends every running group
-    through the general path (tests check that both schedule alike)."""
+    forks create (the engine's counter). `fast_paths` False sends every group through the
+    general path (tests check that both schedule alike)."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  checker: StopChecker | None = None, seq_ids: Iterator[int] | None = None,
-                 decode_fast_path: bool = True) -> None:
+                 fast_paths: bool = True) -> None:
         self.config = config
         self.block_manager = block_manager
         checker = checker or StopChecker(set(), config.max_model_len or 2**62)
         self.postprocessor = Postprocessor(block_manager, checker, seq_ids or itertools.count())
-        self._decode_fast_path = decode_fast_path
+        self._fast_paths = fast_paths
         # "priority" with more than one priority seen: with one (every request at 0, the usual
         # case) the policy schedules as FCFS, so the step skips its work altogether.
         self._by_priority = config.scheduling_policy == "priority"
@@ -150,7 +150,7 @@ class Scheduler:
         queue, kept = self.running, deque[SequenceGroup]()
         bm, bs = self.block_manager, self.block_manager.block_size
         ref_counts, tables = bm.device.ref_counts, bm.tables
-        fast = self._decode_fast_path
+        fast = self._fast_paths
         artificial = self.config.artificial_preemption_prob > 0.0
         scheduled = out.scheduled
         while queue:
@@ -237,12 +237,42 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         bm, waiting, counters = self.block_manager, self.waiting, self.counters
+        fast, cache = self._fast_paths, bm.cache
         # Under "priority", swapped groups still block the waiting groups not more urgent.
         gate = self.swapped[0].priority if self.swapped else None
         while waiting:
             group = waiting[0]
             if gate is not None and group.priority >= gate:
                 break
+            seqs = group.seqs
+            if fast and len(seqs) == 1 and group.params.best_of == 1 \
+                    and seqs[0].finish_reason is None \
+                    and (cache is None or not cache.has_hit(seqs[0])):
+                # Fast path, the common case: one sequence whose prompt starts with no cached
+                # block. The general path's decisions (never_fits_budget, fit, take) without
+                # building a plan; fresh blocks for the whole prompt, so nothing to copy.
+                seq = seqs[0]
+                num_tokens = len(seq.token_ids)
+                num_blocks = bm.blocks_for(num_tokens)
+                fit = bm.fit(num_blocks, group.num_preemptions > 0)
+                if fit is not AllocStatus.NEVER and not never_fits_budget(group, self.config):
+                    num = take(num_tokens - seq.num_computed_tokens, budget.tokens,
+                               chunks(group, self.config))
+                    if fit is AllocStatus.LATER or budget.seqs < 1 or not num:
+                        break  # no room in the cache, or no budget left this step
+                    waiting.popleft()
+                    bm.tables[seq.seq_id] = bm.device.allocate_many(num_blocks)
+                    counters["num_prompt_tokens"] += num_tokens
+                    if cache is not None:
+                        cache.start_filling(seq, 0)
+                    group.status = SequenceStatus.RUNNING
+                    out.scheduled.append(ScheduledSeq(group, seq, num, num == num_tokens
+                                                      - seq.num_computed_tokens))
+                    budget.tokens -= num
+                    budget.seqs -= 1
+                    out.num_batched_tokens += num
+                    self.running.append(group)
+                    continue
             if never_fits_budget(group, self.config):
                 waiting.popleft()
                 self._finish(group, "length" if group.seqs[0].num_output_tokens else "error",

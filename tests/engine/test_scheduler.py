@@ -179,7 +179,7 @@ def _schedules(fast: bool, mode: str, prob: float, caching: bool) -> list[tuple]
                        max_num_seqs=5, preemption_mode=mode, artificial_preemption_prob=prob,
                        artificial_preemption_seed=7)
     sched = Scheduler(cfg, BlockManager(10, 12, 4, 0.0, enable_prefix_caching=caching),
-                      decode_fast_path=fast)
+                      fast_paths=fast)
     for i, (prompt_len, max_tokens, n) in enumerate(
             [(5, 9, 1), (8, 6, 1), (3, 12, 2), (9, 7, 1), (4, 10, 1), (6, 8, 1), (2, 5, 1)]):
         add(sched, prompt_len, float(i), max_tokens=max_tokens, n=n)
@@ -193,7 +193,7 @@ def _schedules(fast: bool, mode: str, prob: float, caching: bool) -> list[tuple]
     return steps + [sorted(sched.counters.items())]
 
 
-def test_the_decode_fast_path_schedules_as_the_general_path_under_preemption():
+def test_the_fast_paths_schedule_as_the_general_path_under_preemption():
     for mode, prob, caching in [("recompute", 0.0, False), ("swap", 0.0, True),
                                 ("recompute", 0.3, True), ("swap", 0.3, False)]:
         fast, general = (_schedules(f, mode, prob, caching) for f in (True, False))
