@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.scheduler_output import ScheduledSeq
+from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import SequenceGroup
 
 
@@ -52,6 +53,17 @@ class StepBudget:
             plan.append(ScheduledSeq(group, seq, num, num == remaining))
             left -= num
         return plan
+
+    def commit(self, group: SequenceGroup, plan: list[ScheduledSeq], out: SchedulerOutput,
+               block_manager: BlockManager) -> None:
+        """Schedule `plan`: its slots (copies on write into `out`), its share of the budget."""
+        for item in plan:
+            out.blocks_to_copy.extend(block_manager.append_slots(item.seq,
+                                                                 item.num_new_tokens))
+            self.tokens -= item.num_new_tokens
+            out.num_batched_tokens += item.num_new_tokens
+        self.seqs -= max(len(plan), 1 if group.forked else group.width)
+        out.scheduled.extend(plan)
 
 
 def chunks(group: SequenceGroup, config: EngineConfig) -> bool:

@@ -35,8 +35,9 @@ import logging
 from collections import deque
 from collections.abc import Iterator
 
+from engine.admission import Admission, Admit
 from engine.block_manager import AllocStatus, BlockManager
-from engine.budget import StepBudget, chunks, never_fits_budget, take
+from engine.budget import StepBudget
 from engine.config import EngineConfig
 from engine.postprocess import Postprocessor
 from engine.preemption import Preemptor
@@ -70,6 +71,8 @@ class Scheduler:
                          "num_priority_preemptions": 0,
                          "num_prompt_tokens": 0, "num_cached_tokens": 0}
         self.preemptor = Preemptor(config, block_manager, self.counters)
+        self.admission = Admission(config, block_manager, self.counters, self._finish,
+                                   fast_paths)
         self.reset()
 
     def reset(self) -> None:
@@ -181,7 +184,7 @@ class Scheduler:
                 continue
             if not self._make_room(group, plan, queue, out, forced):
                 continue  # preempted or finished
-            self._commit(group, plan, out, budget)
+            budget.commit(group, plan, out, self.block_manager)
             kept.append(group)
         self.running = kept
 
@@ -232,96 +235,25 @@ class Scheduler:
             out.blocks_to_swap_in.extend(bm.swap_in(group))
             self.counters["num_swap_ins"] += 1
             group.status = SequenceStatus.RUNNING
-            self._commit(group, plan, out, budget)
+            budget.commit(group, plan, out, self.block_manager)
             self.running.append(group)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        bm, waiting, counters = self.block_manager, self.waiting, self.counters
-        fast, cache = self._fast_paths, bm.cache
+        waiting = self.waiting
         # Under "priority", swapped groups still block the waiting groups not more urgent.
         gate = self.swapped[0].priority if self.swapped else None
         while waiting:
             group = waiting[0]
             if gate is not None and group.priority >= gate:
                 break
-            seqs = group.seqs
-            if fast and len(seqs) == 1 and group.params.best_of == 1 \
-                    and seqs[0].finish_reason is None \
-                    and (cache is None or not cache.has_hit(seqs[0])):
-                # Fast path, the common case: one sequence whose prompt starts with no cached
-                # block. The general path's decisions (never_fits_budget, fit, take) without
-                # building a plan; fresh blocks for the whole prompt, so nothing to copy.
-                seq = seqs[0]
-                num_tokens = len(seq.token_ids)
-                num_blocks = bm.blocks_for(num_tokens)
-                fit = bm.fit(num_blocks, group.num_preemptions > 0)
-                if fit is not AllocStatus.NEVER and not never_fits_budget(group, self.config):
-                    num = take(num_tokens - seq.num_computed_tokens, budget.tokens,
-                               chunks(group, self.config))
-                    if fit is AllocStatus.LATER or budget.seqs < 1 or not num:
-                        break  # no room in the cache, or no budget left this step
-                    waiting.popleft()
-                    bm.tables[seq.seq_id] = bm.device.allocate_many(num_blocks)
-                    counters["num_prompt_tokens"] += num_tokens
-                    if cache is not None:
-                        cache.start_filling(seq, 0)
-                    group.status = SequenceStatus.RUNNING
-                    out.scheduled.append(ScheduledSeq(group, seq, num, num == num_tokens
-                                                      - seq.num_computed_tokens))
-                    budget.tokens -= num
-                    budget.seqs -= 1
-                    out.num_batched_tokens += num
-                    self.running.append(group)
-                    continue
-            if never_fits_budget(group, self.config):
-                waiting.popleft()
-                self._finish(group, "length" if group.seqs[0].num_output_tokens else "error",
-                             f"the request has {group.seqs[0].num_tokens} tokens but "
-                             f"max_num_batched_tokens is {self.config.max_num_batched_tokens} and "
-                             "chunked prefill is off; enable it or raise the budget", out)
-                continue
-            hits = bm.prefix_hits(group)  # (None without prefix caching)
-            status = bm.can_allocate(group, hits)
-            if status is AllocStatus.NEVER:
-                waiting.popleft()
-                blocks = bm.blocks_to_allocate(group)
-                if group.num_preemptions:  # recomputed, its sequences no longer share blocks
-                    logger.warning(
-                        "request %s ends with 'length': preempted by recompute, its %d "
-                        "sequences need %d KV blocks unshared but the cache holds %d; give the "
-                        "engine swap space (swap_space) or more KV cache", group.request_id,
-                        len(group.live_seqs()), blocks, bm.num_total_blocks)
-                    self.counters["num_infeasible"] += 1
-                    self._finish(group, "length", None, out)
-                    continue
-                self._finish(group, "error", f"the request needs {blocks} KV blocks of "
-                             f"{bm.block_size} tokens but the cache holds only "
-                             f"{bm.num_total_blocks - bm.watermark_blocks}; shorten the prompt "
-                             "or give the engine more KV cache", out)
-                continue
-            if status is AllocStatus.LATER:
-                break
-            plan = budget.plan(group, self.config, bm.cached_tokens(group, hits))
-            if not plan:
+            admitted = self.admission.admit(group, out, budget)
+            if admitted is Admit.LATER:
                 break
             waiting.popleft()
-            counters["num_cached_tokens"] += bm.allocate(group, hits)
-            counters["num_prompt_tokens"] += sum(s.num_tokens for s in group.live_seqs())
-            group.status = SequenceStatus.RUNNING
-            self._commit(group, plan, out, budget)
-            self.running.append(group)
+            if admitted is Admit.ADMITTED:
+                self.running.append(group)
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _commit(self, group: SequenceGroup, plan: list[ScheduledSeq], out: SchedulerOutput,
-                budget: StepBudget) -> None:
-        for item in plan:
-            out.blocks_to_copy.extend(self.block_manager.append_slots(item.seq,
-                                                                      item.num_new_tokens))
-            budget.tokens -= item.num_new_tokens
-            out.num_batched_tokens += item.num_new_tokens
-        budget.seqs -= max(len(plan), 1 if group.forked else group.width)
-        out.scheduled.extend(plan)
-
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.preemptor.preempt(group, out)
         self._requeue(group)
