@@ -26,6 +26,11 @@ Before step 1, while the most urgent waiting group cannot be admitted (cache or 
 and a less urgent group runs, the least urgent running group is preempted for it. Swapped groups
 block only waiting groups that are not more urgent, and are swapped in only ahead of waiting
 groups that are not more urgent. With every priority equal this is FCFS.
+
+The scheduler owns each sequence's lifecycle: after the step ran, update() advances computed
+tokens, appends the sampled tokens (engine/postprocess.py), frees the blocks of sequences that
+end and takes ended groups out of the running queue. Nothing else advances a sequence, frees
+its blocks or edits the queues.
 """
 
 from __future__ import annotations
