@@ -86,9 +86,9 @@ class Engine:
                                 self.model.head_dim, DTYPES[config.dtype],  # type: ignore
                                 self.device, backend)
         self._seq_ids = itertools.count()
-        self.checker = StopChecker(self.eos_token_ids, self.max_model_len, self.decoder,
-                                   self.byte_table, config.stream_text)
-        self.scheduler = Scheduler(config, self.block_manager, self.checker, self._seq_ids)
+        checker = StopChecker(self.eos_token_ids, self.max_model_len, self.decoder,
+                              self.byte_table, config.stream_text)
+        self.scheduler = Scheduler(config, self.block_manager, checker, self._seq_ids)
         self.runner = ModelRunner(self.model, backend, self.block_manager, self.device)
         # Masks overlap the model where the CPU is free while it runs (a device); a CPU
         # worker's cores run the model, and a thread more than cores stalls its OpenMP barriers.
