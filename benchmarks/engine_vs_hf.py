@@ -76,6 +76,7 @@ def scheduler_step_ms(num_seqs: int = 256, steps: int = 200) -> float:
     from engine.config import EngineConfig
     from engine.sampling_params import SamplingParams
     from engine.scheduler import Scheduler
+    from engine.scheduler_output import Sampled
     from engine.sequence import Sequence, SequenceGroup
 
     config = EngineConfig(model="unused", max_num_seqs=num_seqs, max_num_batched_tokens=65536)
@@ -89,9 +90,7 @@ def scheduler_step_ms(num_seqs: int = 256, steps: int = 200) -> float:
         t0 = time.perf_counter()
         out = sched.schedule()
         elapsed = time.perf_counter() - t0
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            item.seq.token_ids.append(7)
+        sched.update(out, Sampled(out.scheduled, [7] * len(out.scheduled)))
         return elapsed
 
     while len(sched.running) < num_seqs:

@@ -5,21 +5,32 @@ takes the best 2 x width candidates. In rank order: a candidate among the top `w
 (EOS, or the last allowed token) becomes a finished hypothesis, scored
 cumulative / generated_length ** length_penalty; other candidates become the next beams until
 there are `width` of them. The request keeps its `width` best hypotheses and returns the n best.
+
+The engine chooses (choose: logits in, candidates out, nothing changed); the scheduler's update
+applies the choice (BeamChoice.apply) through the sequence owner it is: forks, appends, frees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from engine.block_manager import BlockManager
-from engine.detokenizer import decode_output
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup
+
+
+class SequenceOwner(Protocol):
+    """What applying a choice needs of the owner of the group's sequences (the scheduler)."""
+
+    def fork(self, group: SequenceGroup, parent: Sequence, index: int | None,
+             share_blocks: bool) -> Sequence: ...
+
+    def free_seq(self, seq: Sequence) -> None: ...
+
+    def hypothesis_text(self, seq: Sequence, params: SamplingParams) -> None: ...
 
 
 @dataclass
@@ -88,12 +99,10 @@ def best(hypotheses: list[Sequence], params: SamplingParams, keep: int) -> list[
                                                    params.length_penalty))[:keep]
 
 
-def advance(group: SequenceGroup, members: list[tuple[Sequence, int]], logits: torch.Tensor,
-            block_manager: BlockManager, decoder: Any, eos_ids: set[int], max_model_len: int,
-            new_id: Callable[[], int]) -> int:
+def choose(group: SequenceGroup, members: list[tuple[Sequence, int]], logits: torch.Tensor,
+           eos_ids: set[int], max_model_len: int) -> BeamChoice:
     """One beam-search step of `group`: its live beams `members` (sequence, logits row) pick
-    their candidates; beams that continue fork (sharing blocks), finished hypotheses are kept
-    up to the width, dropped beams free their blocks. Returns the number of tokens appended."""
+    their candidates."""
     params, width = group.params, group.width
     live = [seq for seq, _ in members]
     rows = logits[torch.tensor([r for _, r in members], device=logits.device)]
@@ -102,33 +111,48 @@ def advance(group: SequenceGroup, members: list[tuple[Sequence, int]], logits: t
         max_new = min(max_new, params.max_tokens)
     last = live[0].num_output_tokens + 1 >= max_new
     next_beams, finished = select(live, rows, width, eos_ids, params, last)
-    reused: set[int] = set()
-    targets = []
-    for cand in next_beams + finished:  # forks first: they copy the parent before appends
-        if not cand.finishes and id(cand.parent) not in reused:
-            reused.add(id(cand.parent))
-            targets.append(cand.parent)
-            continue
-        child = cand.parent.fork(new_id(), new_id())
-        if not cand.finishes:
-            block_manager.fork(cand.parent, child)
-        group.seqs.append(child)
-        targets.append(child)
-    for cand, seq in zip(next_beams + finished, targets):
-        seq.token_ids.append(cand.token)
-        seq.cumulative_logprob = cand.cumulative
-        if cand.finishes:
-            seq.finish_reason = "stop" if cand.token in eos_ids \
-                and not params.ignore_eos else "length"
-            seq.output_text = decode_output(decoder, seq, seq.num_output_tokens,
-                                            params.skip_special_tokens)
-    dropped = [s for s in live if id(s) not in reused]
-    hypotheses = best([s for s in group.seqs if s.finished], params, width)
-    beams_now = [s for s in group.live_seqs() if id(s) not in {id(d) for d in dropped}]
-    if is_done(hypotheses, beams_now, params, width, max_new):
-        dropped, beams_now = dropped + beams_now, []
-    keep = {id(s) for s in hypotheses} | {id(s) for s in beams_now}
-    for seq in dropped:
-        block_manager.free(seq)
-    group.seqs = [s for s in group.seqs if id(s) in keep]
-    return len(targets)
+    return BeamChoice(group, live, next_beams, finished, eos_ids, max_new)
+
+
+@dataclass
+class BeamChoice:
+    group: SequenceGroup
+    live: list[Sequence]  # the beams that chose
+    next_beams: list[Candidate]
+    finished: list[Candidate]
+    eos_ids: set[int]
+    max_new: int  # the most tokens a beam may reach
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the choice appends: one per next beam and per new hypothesis."""
+        return len(self.next_beams) + len(self.finished)
+
+    def apply(self, owner: SequenceOwner) -> None:
+        """Beams that continue fork (sharing blocks), finished hypotheses are kept up to the
+        width, dropped beams free their blocks."""
+        group, params, width = self.group, self.group.params, self.group.width
+        reused: set[int] = set()
+        targets = []
+        for cand in self.next_beams + self.finished:  # forks first: they copy the parent
+            if not cand.finishes and id(cand.parent) not in reused:
+                reused.add(id(cand.parent))
+                targets.append(cand.parent)
+                continue
+            targets.append(owner.fork(group, cand.parent, None, not cand.finishes))
+        for cand, seq in zip(self.next_beams + self.finished, targets):
+            seq.token_ids.append(cand.token)
+            seq.cumulative_logprob = cand.cumulative
+            if cand.finishes:
+                seq.finish_reason = "stop" if cand.token in self.eos_ids \
+                    and not params.ignore_eos else "length"
+                owner.hypothesis_text(seq, params)
+        dropped = [s for s in self.live if id(s) not in reused]
+        hypotheses = best([s for s in group.seqs if s.finished], params, width)
+        beams_now = [s for s in group.live_seqs() if id(s) not in {id(d) for d in dropped}]
+        if is_done(hypotheses, beams_now, params, width, self.max_new):
+            dropped, beams_now = dropped + beams_now, []
+        keep = {id(s) for s in hypotheses} | {id(s) for s in beams_now}
+        for seq in dropped:
+            owner.free_seq(seq)
+        group.seqs = [s for s in group.seqs if id(s) in keep]

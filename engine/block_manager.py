@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from engine.block_allocator import BlockAllocator
+from engine.prefix_cache import CachingAllocator
 from engine.sequence import Sequence, SequenceGroup
-
-if TYPE_CHECKING:
-    from engine.prefix_cache import CachingAllocator
-
 
 _NO_HASHES: dict[int, bytes] = {}  # (block -> hash without a prefix cache: never written)
 
@@ -29,72 +26,22 @@ class AllocStatus(enum.Enum):
     NEVER = "never"  # larger than the whole pool
 
 
-class BlockAllocator:
-    """A pool of physical blocks with reference counts."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("no free block: the scheduler must check capacity first")
-        block = self._free.pop()
-        self.ref_counts[block] = 1
-        return block
-
-    def allocate_many(self, count: int) -> list[int]:
-        """`count` blocks, in the order `count` calls of allocate() would hand them out."""
-        free = self._free
-        if count > len(free):
-            raise RuntimeError("no free block: the scheduler must check capacity first")
-        cut = len(free) - count
-        blocks = free[cut:]
-        del free[cut:]
-        blocks.reverse()
-        ref_counts = self.ref_counts
-        for block in blocks:
-            ref_counts[block] = 1
-        return blocks
-
-    def incref(self, block: int) -> None:
-        self.ref_counts[block] += 1
-
-    def decref(self, block: int) -> None:
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            self._free.append(block)
-        elif self.ref_counts[block] < 0:
-            raise RuntimeError(f"block {block} freed twice")
-
-    def decref_all(self, blocks: Iterable[int]) -> None:
-        """decref() of each block, in order."""
-        ref_counts, free = self.ref_counts, self._free
-        for block in blocks:
-            count = ref_counts[block] - 1
-            ref_counts[block] = count
-            if count == 0:
-                free.append(block)
-            elif count < 0:
-                raise RuntimeError(f"block {block} freed twice")
-
-
 class BlockManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
                  watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
+        self.watermark_blocks = int(watermark * num_device_blocks)
+        self._sizes = (num_device_blocks, num_host_blocks, enable_prefix_caching)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free, no table, an empty prefix cache."""
+        num_device_blocks, num_host_blocks, enable_prefix_caching = self._sizes
         self.cache: CachingAllocator | None = None
         if enable_prefix_caching:
-            from engine.prefix_cache import CachingAllocator
-            self.cache = CachingAllocator(num_device_blocks, block_size)
+            self.cache = CachingAllocator(num_device_blocks, self.block_size)
         self.device: BlockAllocator = self.cache or BlockAllocator(num_device_blocks)
         self.host = BlockAllocator(num_host_blocks)
-        self.watermark_blocks = int(watermark * num_device_blocks)
         self.tables: dict[int, list[int]] = {}  # seq_id -> device blocks
         self.host_tables: dict[int, list[int]] = {}  # seq_id -> host blocks (swapped out)
 
@@ -256,9 +203,8 @@ class BlockManager:
         held = {b for s in seqs for b in self.host_tables.get(s.seq_id, ())}
         # What each sequence computes next (its next token; all of a prompt it was still
         # filling) needs: fresh blocks past its table, a copy of each shared one it writes
-        # into (copy-on-write); as blocks_to_append counts once it runs. (A spare block for
-        # every sequence, whatever its need, judged a group that fits as NEVER and ended it
-        # with "length".)
+        # into (copy-on-write); exactly what blocks_to_append counts once it runs, so a group
+        # that fits the cache is never judged NEVER.
         grow = 0
         for s in seqs:
             table = self.host_tables.get(s.seq_id, [])

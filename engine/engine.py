@@ -1,6 +1,10 @@
 """Engine: add requests, step, get outputs. One step reads
 
-    schedule -> swap/copy blocks -> run the model -> sample -> postprocess
+    schedule -> move blocks (swap/copy) -> run the model -> sample -> update
+
+The scheduler decides what runs and owns every sequence's lifecycle (Scheduler.update: computed
+tokens, appended tokens, ends, frees); the engine moves blocks, runs the model, samples, and
+hands out outputs.
 """
 
 from __future__ import annotations
@@ -9,32 +13,34 @@ import itertools
 import random
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine import beam_search
 from engine.attention.selector import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import decode_delta, decode_output, find_stop, init_offsets
+from engine.detokenizer import init_offsets
 from engine.grammar import grammar_of
 from engine.kv_cache import KVCache, bytes_per_block, num_device_blocks
 from engine.model_runner import ModelRunner
 from engine.models.loader import (
     DTYPES,
     load_config,
+    load_eos_ids,
     load_model,
     load_tokenizer,
     max_positions,
     resolve_dtype,
 )
 from engine.outputs import RequestOutput, request_output
-from engine.sampler import Sampler, SampleRow, plain_greedy
+from engine.sampler import Sampler, plain_greedy
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.step_sampler import StepSampler
+from engine.stop_checker import StopChecker
 from engine.structured_outputs import StructuredOutputs
 from engine.tokenizer import byte_table, fast_decoder, fast_encoder
 
@@ -63,7 +69,7 @@ class Engine:
         self.delta_outputs = config.output_kind == "delta"
         self.model = load_model(config.model, hf_config, config.dtype, self.device, limit)
         self.vocab_size = int(hf_config.vocab_size)
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, config.model)
+        self.eos_token_ids = load_eos_ids(hf_config, self.tokenizer, config.model)
         backend = select_backend(config, self.device, self.model.head_dim)  # type: ignore
         block_bytes = bytes_per_block(self.model.num_layers, config.block_size,  # type: ignore
                                       self.model.num_kv_heads, self.model.head_dim,  # type: ignore
@@ -73,23 +79,26 @@ class Engine:
             raise ValueError("no memory left for the KV cache; lower the model size or raise "
                              "gpu_memory_utilization / kv_cache_memory")
         num_host = config.swap_space_bytes // block_bytes
-        self._num_blocks = (num_blocks, num_host)
         self.block_manager = BlockManager(num_blocks, num_host, config.block_size,
                                           config.watermark, config.enable_prefix_caching)
         self.kv_cache = KVCache(self.model.num_layers, num_blocks, num_host,  # type: ignore
                                 config.block_size, self.model.num_kv_heads,  # type: ignore
                                 self.model.head_dim, DTYPES[config.dtype],  # type: ignore
                                 self.device, backend)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self._seq_ids = itertools.count()
+        checker = StopChecker(self.eos_token_ids, self.max_model_len, self.decoder,
+                              self.byte_table, config.stream_text)
+        self.scheduler = Scheduler(config, self.block_manager, checker, self._seq_ids)
         self.runner = ModelRunner(self.model, backend, self.block_manager, self.device)
-        self.sampler = Sampler(self.vocab_size)
         # Masks overlap the model where the CPU is free while it runs (a device); a CPU
         # worker's cores run the model, and a thread more than cores stalls its OpenMP barriers.
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             overlap=self.device.type != "cpu")
+        self.step_sampler = StepSampler(Sampler(self.vocab_size), self.structured,
+                                        self.eos_token_ids, self.vocab_size,
+                                        self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}
         self._rejected: list[SequenceGroup] = []
-        self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.counters = {"num_steps": 0, "num_generated_tokens": 0}
 
@@ -154,17 +163,10 @@ class Engine:
         model and the cache tensors stay. Safe whatever state a failed step() left behind
         (abort() trusts the scheduler's queues and block tables, which a step that raised
         half-way may have left inconsistent)."""
-        counters = self.scheduler.counters
         self._groups.clear()
         self._rejected = []
         self.structured.clear()
-        num_blocks, num_host = self._num_blocks
-        self.block_manager = BlockManager(num_blocks, num_host, self.config.block_size,
-                                          self.config.watermark,  # (an empty prefix cache)
-                                          self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.scheduler.counters = counters  # (cumulative: metrics never go backwards)
-        self.runner.block_manager = self.block_manager
+        self.scheduler.reset()
 
     def has_unfinished(self) -> bool:
         return bool(self._groups)
@@ -182,33 +184,14 @@ class Engine:
         sched = self.scheduler.schedule()
         self._move_blocks(sched)
         batch = self.runner.order(sched.scheduled)
-        outputs: dict[str, RequestOutput] = {}
         if batch:
-            if self.structured.overlap and self.structured.active:
-                self.structured.prefetch([(item.group, item.seq) for item in batch
-                                          if item.do_sample and item.group.params
-                                          .structured_outputs is not None], self.device)
-            logits = self.runner.execute(batch, self.kv_cache.device_cache)
-            self.structured.wait()
-            self._postprocess(batch, logits)
+            logits = self._run(batch)
+            sampled = self.step_sampler(batch, logits)
+            for group in self.scheduler.update(sched, sampled):
+                self._release(group)
             self.counters["num_steps"] += 1
-        delta = self.delta_outputs
-        finished = SequenceStatus.FINISHED
-        for group in dict.fromkeys(item.group for item in batch):  # (a group's seqs, once)
-            if not finished_only or group.status is finished:
-                out = request_output(group, delta)  # (None: nothing new to hand out)
-                if out is not None:
-                    outputs[group.request_id] = out
-        for group in sched.finished + self._rejected:  # ended by the scheduler, or refused
-            for seq in group.seqs:
-                if seq.finish_reason != "stop":  # (those that stopped have their text)
-                    self._final_text(seq, group.params)
-            self._finish_group(group)
-            out = request_output(group, delta)
-            assert out is not None  # (a finished request always has an output)
-            outputs[group.request_id] = out
-        self._rejected = []
-        return list(outputs.values())
+            self.counters["num_generated_tokens"] += sampled.num_generated
+        return self._outputs(batch, sched.finished, finished_only)
 
     def stats(self) -> dict[str, Any]:
         bm, sc = self.block_manager, self.scheduler
@@ -246,183 +229,43 @@ class Engine:
         self.kv_cache.swap_in(sched.blocks_to_swap_in)
         self.kv_cache.copy(sched.blocks_to_copy)
 
-    def _postprocess(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        sampled = [item for item in batch if item.do_sample]  # logits row r <-> sampled[r]
-        if all(item.group.plain_greedy for item in sampled):  # the common case: argmax only
-            self._append_greedy(sampled, logits)
-            return
-        rows: list[SampleRow] = []
-        row_index: list[int] = []
-        owners: list[tuple[SequenceGroup, Sequence, int]] = []  # (group, parent seq, fork index)
-        beams: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
-        grammar_rows: list[int] = []  # rows the grammar masks, and the seq each one extends
-        grammar_seqs: list[Sequence] = []
-        grammar_done: list[bool] = []  # per row: the grammar is complete (only EOS may follow)
-        eos = self.eos_token_ids
-        fanned = False
-        for r, item in enumerate(sampled):
-            group, seq = item.group, item.seq
-            params = group.params
-            if params.use_beam_search:
-                beams.setdefault(id(group), (group, []))[1].append((seq, r))
-                continue
-            num_out = len(seq.token_ids) - seq.num_prompt_tokens
-            done = False
-            if params.structured_outputs is not None:
-                done, error = self.structured.sync(group, seq)
-                if error is not None:  # (an output token the grammar refuses: a bug)
-                    self._fail(group, seq, error)
-                    fanned = True  # (a logits row without a sample row: rows are re-indexed)
-                    continue
-            banned = None
-            # min_tokens bans EOS and stop ids unless the grammar is complete and allows only
-            # EOS: then EOS may end it early (vLLM's rule, since its PR #54218).
-            if num_out < params.min_tokens and not done:
-                banned = params.stop_token_ids + ([] if params.ignore_eos else sorted(eos))
-            forked = params.best_of == 1 or group.forked
-            for index in [seq.index] if forked else range(group.width):
-                if params.structured_outputs is not None:
-                    grammar_rows.append(len(rows))
-                    grammar_seqs.append(seq)
-                rows.append(SampleRow(params, group.seed, index, num_out, seq.token_ids,
-                                      seq.num_prompt_tokens, banned))
-                owners.append((group, seq, index))
-                row_index.append(r)
-                grammar_done.append(done)
-            fanned = fanned or not forked  # the first sample of a best_of group fans out
-        if rows:
-            if not fanned and not beams:
-                logits_rows = logits  # the common case: one sample row per logits row, in order
-            else:  # fan-out rows repeat their parent's row, beam rows go elsewhere
-                logits_rows = logits[torch.tensor(row_index, device=logits.device)]
-            if grammar_seqs:
-                grammar_ban = self.structured.masks(grammar_seqs, logits.device)
-                result = self.sampler(logits_rows, rows, grammar_rows, grammar_ban)
-            else:
-                result = self.sampler(logits_rows, rows)
-            targets = [seq for _, seq, _ in owners]
-            if fanned:
-                for r, (group, seq, index) in enumerate(owners):
-                    if index != seq.index:  # the first sample of a best_of group forks its seq
-                        child = seq.fork(next(self._seq_ids), index)  # before any append to seq
-                        self.block_manager.fork(seq, child)
-                        group.seqs.append(child)
-                        targets[r] = child
-            append = self._append
-            for r, ((group, _, _), seq, token, lp, top, done) in enumerate(zip(
-                    owners, targets, result.token_ids, result.logprobs, result.top_logprobs,
-                    grammar_done)):
-                if r in result.no_token_rows:
-                    self._fail(group, seq, "no token is allowed at output position "
-                               f"{seq.num_output_tokens}: the grammar, allowed_token_ids and "
-                               "the min_tokens ban of EOS leave none")
-                    continue
-                append(group, seq, token, lp, top, done)
-        for group, members in beams.values():
-            self.counters["num_generated_tokens"] += beam_search.advance(
-                group, members, logits[:, : self.vocab_size], self.block_manager, self.decoder,
-                self.eos_token_ids, self.max_model_len, lambda: next(self._seq_ids))
-        self.counters["num_generated_tokens"] += len(rows)
-        self._end_sampled(sampled)
+    def _run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """The model over `batch`: the logits of its sampling rows. Grammar masks are prepared
+        meanwhile where that overlaps."""
+        if self.structured.overlap and self.structured.active:
+            self.structured.prefetch([(item.group, item.seq) for item in batch
+                                      if item.do_sample and item.group.params
+                                      .structured_outputs is not None], self.device)
+        logits = self.runner.execute(batch, self.kv_cache.device_cache)
+        self.structured.wait()
+        return logits
 
-    def _end_sampled(self, sampled: list[ScheduledSeq]) -> None:
-        """After the step's samples: first-token times, and the requests that ended."""
+    def _outputs(self, batch: list[ScheduledSeq], finished: list[SequenceGroup],
+                 finished_only: bool) -> list[RequestOutput]:
+        """An output per request of `batch` that has one to give, and per request that ended
+        without running (`finished` by the scheduler, or refused)."""
+        outputs: dict[str, RequestOutput] = {}
+        delta = self.delta_outputs
+        for group in dict.fromkeys(item.group for item in batch):  # (a group's seqs, once)
+            if not finished_only or group.status is SequenceStatus.FINISHED:
+                out = request_output(group, delta)  # (None: nothing new to hand out)
+                if out is not None:
+                    outputs[group.request_id] = out
         now = time.monotonic()
-        done = []
-        for group in dict.fromkeys(item.group for item in sampled):
-            if group.first_token_time is None:
-                group.first_token_time = now
-            seqs = group.seqs
-            if len(seqs) > 1:
-                seqs.sort(key=lambda s: s.index)
-            if not seqs or (seqs[0].finish_reason is not None and group.is_finished()):
-                self._finish_group(group)
-                done.append(group)
-        if done:
-            self.scheduler.remove_running(done)
+        for group in finished + self._rejected:
+            if group.status is not SequenceStatus.FINISHED:  # (refused: never scheduled)
+                group.status, group.finished_time = SequenceStatus.FINISHED, now
+            self._release(group)
+            out = request_output(group, delta)
+            assert out is not None  # (a finished request always has an output)
+            outputs[group.request_id] = out
+        self._rejected = []
+        return list(outputs.values())
 
-    def _append_greedy(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> None:
-        """_postprocess for a batch of plain greedy requests (one sequence each, no sampler)."""
-        if not sampled:
-            return
-        append = self._append
-        now = time.monotonic()
-        done = []
-        for item, token in zip(sampled, self.sampler.greedy(logits)):
-            group, seq = item.group, item.seq
-            append(group, seq, token, None, None)
-            if group.first_token_time is None:
-                group.first_token_time = now
-            if seq.finish_reason is not None:  # (its one sequence)
-                self._finish_group(group)
-                done.append(group)
-        self.counters["num_generated_tokens"] += len(sampled)
-        if done:
-            self.scheduler.remove_running(done)
-
-    def _append(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float | None,
-                top: dict[int, float] | None, grammar_done: bool = False) -> None:
-        params = group.params
-        ids = seq.token_ids
-        ids.append(token)
-        num_out = len(ids) - seq.num_prompt_tokens
-        if logprob is None:
-            seq.cumulative_logprob = None
-        elif seq.cumulative_logprob is not None:
-            seq.cumulative_logprob += logprob
-        if top is not None:
-            seq.output_logprobs.append(top)
-        can_stop = num_out >= params.min_tokens or grammar_done
-        if can_stop and params.stop_token_ids and token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif can_stop and not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        else:
-            stop = None
-            if self.config.stream_text or params.stop:
-                delta = decode_delta(self.decoder, seq, params.skip_special_tokens,
-                                     self.byte_table)
-                if delta:
-                    seq.output_text += delta
-                    if params.stop and can_stop:
-                        stop = find_stop(seq, delta, params)
-            if stop is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            elif params.max_tokens is not None and num_out >= params.max_tokens:
-                seq.finish_reason = "length"
-            elif len(ids) >= self.max_model_len:
-                seq.finish_reason = "length"
-            else:
-                return
-        self.block_manager.free(seq)
-        self._final_text(seq, params)
-
-    def _final_text(self, seq: Sequence, params: SamplingParams) -> None:
-        """The text of a sequence that just finished (idempotent)."""
-        if isinstance(seq.stop_reason, str) or not seq.num_output_tokens:
-            return  # find_stop cut the text at the stop string; or there is no output
-        # The EOS or stop token that ended it is text only with include_stop_str_in_output
-        # (vLLM's rule); decoding to there also flushes bytes held back for a character that
-        # will now never complete. Text decoded once (not streamed) is decoded here.
-        num = seq.num_output_tokens
-        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
-            num -= 1
-        if not (self.config.stream_text or params.stop) \
-                or seq.read_offset < seq.num_prompt_tokens + num:
-            seq.output_text = decode_output(self.decoder, seq, num, params.skip_special_tokens)
-
-    def _fail(self, group: SequenceGroup, seq: Sequence, message: str) -> None:
-        seq.finish_reason = "error"
-        group.error = message
-        self.block_manager.free(seq)
-
-    def _finish_group(self, group: SequenceGroup) -> None:
+    def _release(self, group: SequenceGroup) -> None:
+        """What the engine holds of a request that ended: its grammar state, its id."""
         if group.params.structured_outputs is not None:
             self.structured.release(group)
-        group.status = SequenceStatus.FINISHED
-        group.finished_time = time.monotonic()
         self._groups.pop(group.request_id, None)
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -446,20 +289,3 @@ class Engine:
             seq.finish_reason = "error"
         group.error = message
         self._rejected.append(group)
-
-
-def _eos_ids(hf_config: Any, tokenizer: Any, model_dir: str | None = None) -> set[int]:
-    """The ids that end a sequence: config.json's (else the tokenizer's), plus those of
-    generation_config.json, which transformers' generate() and vLLM stop on too (chat models
-    list their end-of-turn token there)."""
-    ids = getattr(hf_config, "eos_token_id", None)
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    found = set() if ids is None else set(ids) if isinstance(ids, list) else {int(ids)}
-    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        extra = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        if extra is not None:
-            found |= set(extra) if isinstance(extra, list) else {int(extra)}
-    return found

@@ -19,7 +19,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.models.layers import ForwardContext
-from engine.scheduler import ScheduledSeq
+from engine.scheduler_output import ScheduledSeq
 
 
 class ModelRunner:
@@ -131,8 +131,8 @@ _TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 
 def _int_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """torch.tensor(values, dtype=dtype) through array's C conversion: several times faster for
-    the thousands of ints of a step's block tables."""
+    """torch.tensor(values, dtype=dtype) through array's C conversion, one C loop over the
+    thousands of ints of a step's block tables rather than a conversion per Python int."""
     if not values:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)

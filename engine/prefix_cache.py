@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 
-from engine.block_manager import BlockAllocator
+from engine.block_allocator import BlockAllocator
 from engine.sequence import Sequence as Seq
 
 ROOT = b"genq-prefix-cache-v1"  # the parent of every sequence's first block

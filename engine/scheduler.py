@@ -26,76 +26,74 @@ Before step 1, while the most urgent waiting group cannot be admitted (cache or 
 and a less urgent group runs, the least urgent running group is preempted for it. Swapped groups
 block only waiting groups that are not more urgent, and are swapped in only ahead of waiting
 groups that are not more urgent. With every priority equal this is FCFS.
+
+The scheduler owns each sequence's lifecycle: after the step ran, update() advances computed
+tokens, appends the sampled tokens (engine/postprocess.py), frees the blocks of sequences that
+end and takes ended groups out of the running queue. Nothing else advances a sequence, frees
+its blocks or edits the queues.
 """
 
 from __future__ import annotations
 
-import bisect
+import itertools
 import logging
-import random
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
+from engine.admission import Admission, Admit
 from engine.block_manager import AllocStatus, BlockManager
+from engine.budget import StepBudget
 from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.postprocess import Postprocessor
+from engine.preemption import Preemptor
+from engine.scheduler_output import Sampled, ScheduledSeq, SchedulerOutput
+from engine.sequence import SequenceGroup, SequenceStatus, insert_by_rank, priority
+from engine.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    group: SequenceGroup
-    seq: Sequence
-    num_new_tokens: int
-    do_sample: bool  # this step reaches the end of the sequence, so it draws the next token
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # host -> device
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> host
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # device -> device
-    finished: list[SequenceGroup] = field(default_factory=list)  # ended by the scheduler
-    num_batched_tokens: int = 0
-    num_preempted: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class _Budget:
-    tokens: int
-    seqs: int
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    """`checker` ends sequences (without one: no EOS, no text); `seq_ids` numbers the sequences
+    forks create (the engine's counter). `fast_paths` False sends every group through the
+    general path (tests check that both schedule alike)."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 checker: StopChecker | None = None, seq_ids: Iterator[int] | None = None,
+                 fast_paths: bool = True) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[SequenceGroup] = deque()
-        self.running: deque[SequenceGroup] = deque()
-        self.swapped: deque[SequenceGroup] = deque()
-        self._rng = random.Random(config.artificial_preemption_seed)
+        checker = checker or StopChecker(set(), config.max_model_len or 2**62)
+        self.postprocessor = Postprocessor(block_manager, checker, seq_ids or itertools.count())
+        self._fast_paths = fast_paths
         # "priority" with more than one priority seen: with one (every request at 0, the usual
         # case) the policy schedules as FCFS, so the step skips its work altogether.
         self._by_priority = config.scheduling_policy == "priority"
-        self._priorities: set[int] = set()
-        self._preempted_last_step = False
         # num_prompt_tokens: the tokens of the sequences admitted from the waiting queue (a
         # recomputed one's outputs too); num_cached_tokens: those the prefix cache served.
         self.counters = {"num_recompute_preemptions": 0, "num_swap_outs": 0, "num_swap_ins": 0,
                          "num_artificial_preemptions": 0, "num_infeasible": 0,
                          "num_priority_preemptions": 0,
                          "num_prompt_tokens": 0, "num_cached_tokens": 0}
+        self.preemptor = Preemptor(config, block_manager, self.counters)
+        self.admission = Admission(config, block_manager, self.counters, self._finish,
+                                   fast_paths)
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty queues and every block free (counters stay: metrics never go backwards)."""
+        self.block_manager.reset()
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+        self.preemptor.reset()
+        self._priorities: set[int] = set()
+        self._preempted_last_step = False
 
     # -- queues ----------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
         self._priorities.add(group.priority)
-        _insert_by_rank(self.waiting, group)
+        insert_by_rank(self.waiting, group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         for queue in (self.waiting, self.running, self.swapped):
@@ -107,7 +105,7 @@ class Scheduler:
         return None
 
     def remove_running(self, groups: list[SequenceGroup]) -> None:
-        """Take `groups` (finished outside the scheduler) out of the running queue, order kept."""
+        """Take `groups` (finished) out of the running queue, order kept."""
         if len(groups) <= 8:
             for group in groups:
                 self.running.remove(group)  # identity: SequenceGroup compares by identity
@@ -124,14 +122,15 @@ class Scheduler:
     # -- the step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        budget = StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.block_manager.cache_computed()  # (the last step's keys and values are written)
         if self._by_priority and len(self._priorities) > 1:
             # Least urgent last, admission order within a priority (a stable sort): preemption
             # takes victims from the tail, as under FCFS.
-            self.running = deque(sorted(self.running, key=_priority))
+            self.running = deque(sorted(self.running, key=priority))
             if self.waiting and self.running:
-                self._preempt_for_urgent(out)
+                for victim in self.preemptor.preempt_for(self.waiting[0], self.running, out):
+                    self._requeue(victim)
         self._schedule_running(out, budget)
         if out.num_preempted == 0:
             self._schedule_swapped(out, budget)
@@ -144,52 +143,55 @@ class Scheduler:
         self._preempted_last_step = out.num_preempted > 0
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
+    def update(self, output: SchedulerOutput, sampled: Sampled) -> list[SequenceGroup]:
+        """After the step ran `output`: its sequences' tokens are computed, its samples join
+        their sequences, sequences that end free their blocks, and groups that end leave the
+        running queue. Returns the groups that ended."""
+        for item in output.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        done = self.postprocessor.apply(sampled)
+        if done:
+            self.remove_running(done)
+        return done
+
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
         queue, kept = self.running, deque[SequenceGroup]()
         bm, bs = self.block_manager, self.block_manager.block_size
         ref_counts, tables = bm.device.ref_counts, bm.tables
-        fast = self.config.artificial_preemption_prob == 0.0
+        fast = self._fast_paths
+        artificial = self.config.artificial_preemption_prob > 0.0
         scheduled = out.scheduled
         while queue:
             group = queue.popleft()
             seqs = group.seqs
+            forced = None
             if fast and len(seqs) == 1 and group.params.best_of == 1 and budget.tokens \
                     and budget.seqs:
-                # Fast path, the common case: one sequence decoding into a slot it owns.
+                # Fast path, the common case: one sequence decoding into a slot it owns. The
+                # general path would plan its one token, find that it needs no block and
+                # commit nothing but the budget; only an artificial preemption stops it.
                 seq = seqs[0]
                 pos = seq.num_computed_tokens
                 table = tables.get(seq.seq_id, ())
                 if len(seq.token_ids) - pos == 1 and pos // bs < len(table) \
                         and ref_counts[table[pos // bs]] == 1:
-                    scheduled.append(ScheduledSeq(group, seq, 1, True))
-                    budget.tokens -= 1
-                    budget.seqs -= 1
-                    out.num_batched_tokens += 1
-                    kept.append(group)
-                    continue
-            plan = self._plan(group, budget)
+                    forced = artificial and self.preemptor.draw_artificial()
+                    if not forced:
+                        scheduled.append(ScheduledSeq(group, seq, 1, True))
+                        budget.tokens -= 1
+                        budget.seqs -= 1
+                        out.num_batched_tokens += 1
+                        kept.append(group)
+                        continue
+            plan = budget.plan(group, self.config)
             if not plan:
                 kept.append(group)  # no budget left this step; it stays running
                 continue
-            if not self._make_room(group, plan, queue, out):
+            if not self._make_room(group, plan, queue, out, forced):
                 continue  # preempted or finished
-            self._commit(group, plan, out, budget)
+            budget.commit(group, plan, out, self.block_manager)
             kept.append(group)
         self.running = kept
-
-    def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
-        """Preempt the least urgent running groups, while they are less urgent than the most
-        urgent waiting group and it cannot be admitted (its blocks, or its sequences)."""
-        urgent, bm = self.waiting[0], self.block_manager
-        while self.running and self.running[-1].priority > urgent.priority:
-            status = bm.can_allocate(urgent, bm.prefix_hits(urgent))
-            if status is AllocStatus.NEVER:
-                return  # (it ends with an error when its turn comes; preempting cannot help)
-            seqs = sum(max(len(g.live_seqs()), 1 if g.forked else g.width) for g in self.running)
-            if status is AllocStatus.OK and seqs + urgent.width <= self.config.max_num_seqs:
-                return
-            self._preempt(self.running.pop(), out)
-            self.counters["num_priority_preemptions"] += 1
 
     def _outranks_swapped(self) -> bool:
         """Under "priority": the most urgent waiting group may be admitted past swapped ones."""
@@ -197,11 +199,14 @@ class Scheduler:
             self.waiting[0].priority < self.swapped[0].priority
 
     def _make_room(self, group: SequenceGroup, plan: list[ScheduledSeq],
-                   queue: deque[SequenceGroup], out: SchedulerOutput) -> bool:
+                   queue: deque[SequenceGroup], out: SchedulerOutput,
+                   forced: bool | None = None) -> bool:
         """Free blocks for `plan` by preempting the newest running groups; False if `group`
-        itself had to go."""
+        itself had to go. `forced`: this group's artificial preemption draw, if made already
+        (one draw per scheduled running group, whichever path it takes)."""
         bm = self.block_manager
-        forced = self._artificial_preemption()
+        if forced is None:
+            forced = self.preemptor.draw_artificial()
         while True:
             needed = sum(bm.blocks_to_append(s.seq, s.num_new_tokens) for s in plan)
             if needed <= bm.num_free_blocks and not forced:
@@ -216,7 +221,7 @@ class Scheduler:
             if victim is group:
                 return False
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: StepBudget) -> None:
         bm = self.block_manager
         while self.swapped:
             group = self.swapped[0]
@@ -228,207 +233,42 @@ class Scheduler:
                 self._finish(group, "length", None, out)
                 self.counters["num_infeasible"] += 1
                 continue
-            plan = self._plan(group, budget)
+            plan = budget.plan(group, self.config)
             if status is AllocStatus.LATER or not plan:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(bm.swap_in(group))
             self.counters["num_swap_ins"] += 1
             group.status = SequenceStatus.RUNNING
-            self._commit(group, plan, out, budget)
+            budget.commit(group, plan, out, self.block_manager)
             self.running.append(group)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
-        bm = self.block_manager
-        device, tables = bm.device, bm.tables
-        chunked = self.config.enable_chunked_prefill
-        max_tokens = self.config.max_num_batched_tokens
-        waiting, running, scheduled = self.waiting, self.running, out.scheduled
-        cache, counters = bm.cache, self.counters
+    def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        waiting = self.waiting
         # Under "priority", swapped groups still block the waiting groups not more urgent.
         gate = self.swapped[0].priority if self.swapped else None
         while waiting:
             group = waiting[0]
             if gate is not None and group.priority >= gate:
                 break
-            seqs = group.seqs
-            if len(seqs) == 1 and group.params.best_of == 1 and seqs[0].finish_reason is None \
-                    and (cache is None or not cache.has_hit(seqs[0])):
-                # Fast path, the common case: one sequence whose prompt fits the budget and the
-                # cache (and starts with no cached block); the same decisions as below,
-                # without building a plan.
-                seq = seqs[0]
-                num_tokens = len(seq.token_ids)
-                remaining = num_tokens - seq.num_computed_tokens
-                num_blocks = bm.blocks_for(num_tokens)
-                resumed = group.num_preemptions > 0
-                fit = bm.fit(num_blocks, resumed)
-                chunk = chunked or resumed  # (a recomputed group may have outgrown the budget)
-                if (chunk or remaining <= max_tokens) and fit is not AllocStatus.NEVER:
-                    left = budget.tokens
-                    take = min(remaining, left) if chunk else remaining
-                    if fit is AllocStatus.LATER or budget.seqs < 1 or take == 0 or take > left:
-                        break  # no room in the cache, or no budget left this step
-                    waiting.popleft()
-                    # Fresh blocks for the whole prompt: no copy-on-write, nothing to append.
-                    tables[seq.seq_id] = device.allocate_many(num_blocks)
-                    counters["num_prompt_tokens"] += num_tokens
-                    if cache is not None:
-                        cache.start_filling(seq, 0)
-                    group.status = SequenceStatus.RUNNING
-                    scheduled.append(ScheduledSeq(group, seq, take, take == remaining))
-                    budget.tokens = left - take
-                    budget.seqs -= 1
-                    out.num_batched_tokens += take
-                    running.append(group)
-                    continue
-            if self._never_fits_budget(group):
-                waiting.popleft()
-                self._finish(group, "length" if group.seqs[0].num_output_tokens else "error",
-                             f"the request has {group.seqs[0].num_tokens} tokens but "
-                             f"max_num_batched_tokens is {self.config.max_num_batched_tokens} and "
-                             "chunked prefill is off; enable it or raise the budget", out)
-                continue
-            hits = bm.prefix_hits(group)  # (None without prefix caching)
-            status = bm.can_allocate(group, hits)
-            if status is AllocStatus.NEVER:
-                waiting.popleft()
-                blocks = bm.blocks_to_allocate(group)
-                if group.num_preemptions:  # recomputed, its sequences no longer share blocks
-                    logger.warning(
-                        "request %s ends with 'length': preempted by recompute, its %d "
-                        "sequences need %d KV blocks unshared but the cache holds %d; give the "
-                        "engine swap space (swap_space) or more KV cache", group.request_id,
-                        len(group.live_seqs()), blocks, bm.num_total_blocks)
-                    self.counters["num_infeasible"] += 1
-                    self._finish(group, "length", None, out)
-                    continue
-                self._finish(group, "error", f"the request needs {blocks} KV blocks of "
-                             f"{bm.block_size} tokens but the cache holds only "
-                             f"{bm.num_total_blocks - bm.watermark_blocks}; shorten the prompt "
-                             "or give the engine more KV cache", out)
-                continue
-            if status is AllocStatus.LATER:
-                break
-            plan = self._plan(group, budget, bm.cached_tokens(group, hits))
-            if not plan:
+            admitted = self.admission.admit(group, out, budget)
+            if admitted is Admit.LATER:
                 break
             waiting.popleft()
-            counters["num_cached_tokens"] += bm.allocate(group, hits)
-            counters["num_prompt_tokens"] += sum(s.num_tokens for s in group.live_seqs())
-            group.status = SequenceStatus.RUNNING
-            self._commit(group, plan, out, budget)
-            running.append(group)
+            if admitted is Admit.ADMITTED:
+                self.running.append(group)
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _plan(self, group: SequenceGroup, budget: _Budget,
-              computed: list[int] | None = None) -> list[ScheduledSeq]:
-        """This step's tokens for each live sequence, or [] when the budgets cannot take them.
-        Decoding sequences move together (every sequence's token counts against the budget);
-        prefills take what the token budget leaves when chunking is on. `computed`: each live
-        sequence's computed tokens once admitted (a waiting group's prefix cache hits)."""
-        seqs = group.live_seqs()
-        num_seqs = max(len(seqs), 1 if group.forked else group.width)
-        if num_seqs > budget.seqs:
-            return []
-        left = budget.tokens
-        plan = []
-        if computed is None:
-            computed = [s.num_computed_tokens for s in seqs]
-        rest = [s.num_tokens - c for s, c in zip(seqs, computed)]
-        if group.params.use_beam_search:  # beams sample together: each runs its whole remainder
-            if sum(rest) <= left:
-                return [ScheduledSeq(group, s, r, True) for s, r in zip(seqs, rest)]
-            chunk = self.config.enable_chunked_prefill or group.num_preemptions > 0
-            for seq, r in zip(seqs, rest):  # or prefill chunks that keep one token each back
-                if chunk and left and r > 1:
-                    plan.append(ScheduledSeq(group, seq, min(r - 1, left), False))
-                    left -= plan[-1].num_new_tokens
-            return plan
-        chunk = self.config.enable_chunked_prefill or group.num_preemptions > 0
-        for seq, remaining in zip(seqs, rest):
-            take = min(remaining, left) if chunk else remaining
-            if take == 0 or take > left:
-                break  # the rest of the group runs in a later step
-            plan.append(ScheduledSeq(group, seq, take, take == remaining))
-            left -= take
-        return plan
-
-    def _never_fits_budget(self, group: SequenceGroup) -> bool:
-        """Without chunked prefill a sequence longer than the token budget can never run. (A
-        recomputed group re-prefills in chunks whatever the setting: it ran, and may have
-        outgrown the budget since its first prefill.)"""
-        if self.config.enable_chunked_prefill or group.num_preemptions:
-            return False  # (beam width over the budget: refused by Engine.add_request)
-        remaining = [s.num_tokens - s.num_computed_tokens for s in group.live_seqs()]
-        if group.params.use_beam_search:
-            return sum(remaining) > self.config.max_num_batched_tokens
-        return any(r > self.config.max_num_batched_tokens for r in remaining)
-
-    def _commit(self, group: SequenceGroup, plan: list[ScheduledSeq], out: SchedulerOutput,
-                budget: _Budget) -> None:
-        for item in plan:
-            out.blocks_to_copy.extend(self.block_manager.append_slots(item.seq,
-                                                                      item.num_new_tokens))
-            budget.tokens -= item.num_new_tokens
-            out.num_batched_tokens += item.num_new_tokens
-        budget.seqs -= max(len(plan), 1 if group.forked else group.width)
-        out.scheduled.extend(plan)
-
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        bm = self.block_manager
-        out.num_preempted += 1
-        group.num_preemptions += 1
-        mode = self.config.preemption_mode
-        if mode == "auto":
-            mode = "swap" if len(group.live_seqs()) > 1 else "recompute"
-        if mode == "swap" and bm.can_swap_out(group):
-            out.blocks_to_swap_out.extend(bm.swap_out(group))
-            group.status = SequenceStatus.SWAPPED
-            _insert_by_rank(self.swapped, group)
-            self.counters["num_swap_outs"] += 1
-            return
-        # Recompute (also the fallback when host swap space is exhausted).
-        bm.free_group(group)
-        for seq in group.live_seqs():
-            seq.reset_for_recompute()
-        group.status = SequenceStatus.WAITING
-        _insert_by_rank(self.waiting, group)
-        self.counters["num_recompute_preemptions"] += 1
+        self.preemptor.preempt(group, out)
+        self._requeue(group)
 
-    def _artificial_preemption(self) -> bool:
-        p = self.config.artificial_preemption_prob
-        if p <= 0.0 or self.counters["num_artificial_preemptions"] >= \
-                self.config.artificial_preemption_max:
-            return False
-        if self._rng.random() < p:
-            self.counters["num_artificial_preemptions"] += 1
-            return True
-        return False
+    def _requeue(self, group: SequenceGroup) -> None:
+        """A preempted group joins its queue in rank order, so FCFS holds across preemptions."""
+        swapped = group.status is SequenceStatus.SWAPPED
+        insert_by_rank(self.swapped if swapped else self.waiting, group)
 
     def _finish(self, group: SequenceGroup, reason: str, error: str | None,
                 out: SchedulerOutput) -> None:
-        self.block_manager.free_group(group)
-        for seq in group.live_seqs():
-            seq.finish_reason = reason
-        group.error = error
-        group.status = SequenceStatus.FINISHED
+        self.postprocessor.end(group, reason, error)
         out.finished.append(group)
-
-
-def _priority(group: SequenceGroup) -> int:
-    return group.priority
-
-
-def _rank(group: SequenceGroup) -> tuple[int, float]:
-    """Queue order: (priority, arrival); under "fcfs" every priority is 0, so arrival order."""
-    return group.priority, group.arrival_time
-
-
-def _insert_by_rank(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
-    rank = _rank(group)
-    if not queue or _rank(queue[-1]) <= rank:
-        queue.append(group)
-        return
-    keys = [_rank(g) for g in queue]
-    queue.insert(bisect.bisect_right(keys, rank), group)

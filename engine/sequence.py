@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -125,3 +127,22 @@ class SequenceGroup:
 
     def in_prefill(self) -> bool:
         return any(s.num_tokens - s.num_computed_tokens > 1 for s in self.live_seqs())
+
+
+def priority(group: SequenceGroup) -> int:
+    return group.priority
+
+
+def rank(group: SequenceGroup) -> tuple[int, float]:
+    """Queue order: (priority, arrival); under "fcfs" every priority is 0, so arrival order."""
+    return group.priority, group.arrival_time
+
+
+def insert_by_rank(queue: deque[SequenceGroup], group: SequenceGroup) -> None:
+    """Insert `group` into `queue` (in rank order) after the groups of equal rank."""
+    key = rank(group)
+    if not queue or rank(queue[-1]) <= key:
+        queue.append(group)
+        return
+    keys = [rank(g) for g in queue]
+    queue.insert(bisect.bisect_right(keys, key), group)

@@ -101,3 +101,20 @@ def load_tokenizer(model_dir: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_eos_ids(hf_config: Any, tokenizer: Any, model_dir: str | None = None) -> set[int]:
+    """The ids that end a sequence: config.json's (else the tokenizer's), plus those of
+    generation_config.json, which transformers' generate() and vLLM stop on too (chat models
+    list their end-of-turn token there)."""
+    ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    found = set() if ids is None else set(ids) if isinstance(ids, list) else {int(ids)}
+    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        extra = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        if extra is not None:
+            found |= set(extra) if isinstance(extra, list) else {int(extra)}
+    return found

@@ -136,8 +136,8 @@ def test_plain_greedy_batches_skip_the_sampler_and_match_the_general_path(tiny_l
     for name, extra in (("greedy only", []), ("with a sampled request", [sampled])):
         engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01,
                                      output_kind="delta"))
-        counting = _CountingSampler(engine.sampler)
-        engine.sampler = counting
+        counting = _CountingSampler(engine.step_sampler.sampler)
+        engine.step_sampler.sampler = counting
         seen = _run(engine, prompts + ["a sampled one"] * len(extra), greedy + extra)
         runs[name] = ({rid: ([t for o in outs for c in o.outputs for t in c.token_ids],
                              outs[-1].outputs[0].finish_reason,

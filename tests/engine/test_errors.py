@@ -141,10 +141,11 @@ def test_abort_all_recovers_from_a_step_that_raised_inside_the_scheduler(tiny_ll
         engine.add_request(f"r{i}", prompt, GREEDY)
     engine.step()  # the prefills
 
-    def broken_plan(*args, **kwargs):
+    def broken_make_room(*args, **kwargs):
         raise RuntimeError("injected")
 
-    engine.scheduler._plan = broken_plan  # the slow path, after the fast path took r0 and r1
+    # The general path, after the fast path took r0 and r1.
+    engine.scheduler._make_room = broken_make_room
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     for i in range(3):  # abort() finds them in no queue: their blocks stay taken

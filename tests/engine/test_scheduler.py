@@ -1,12 +1,13 @@
-"""Scheduler invariants, driven without a model: a fake step appends token 1 to every sequence
-that samples."""
+"""Scheduler invariants, driven without a model: a fake step samples token 1 for every sequence
+that samples, and Scheduler.update applies it."""
 
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import Sample, Sampled, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup
 
 _ids = iter(range(10**6))
@@ -26,17 +27,11 @@ def add(sched: Scheduler, prompt_len: int, t: float, max_tokens: int = 8, n: int
 
 
 def fake_step(sched: Scheduler) -> SchedulerOutput:
+    """A step whose every sampling sequence draws token 1, applied by Scheduler.update."""
     out = sched.schedule()
-    for item in out.scheduled:
-        item.seq.num_computed_tokens += item.num_new_tokens
-        if item.do_sample:
-            item.seq.token_ids.append(1)
-            if item.seq.num_output_tokens >= item.group.params.max_tokens:
-                item.seq.finish_reason = "length"
-                sched.block_manager.free(item.seq)
-    for g in list(sched.running):
-        if g.is_finished():
-            sched.running.remove(g)
+    items = [item for item in out.scheduled if item.do_sample]
+    sched.update(out, Sampled(items, samples=[Sample(i.group, i.seq, i.seq.index, 1)
+                                              for i in items]))
     return out
 
 
@@ -175,3 +170,34 @@ def test_remove_running_keeps_the_order_of_the_rest():
     sched.remove_running([groups[3]])
     sched.remove_running(groups[10:19])  # more than a few: one pass
     assert list(sched.running) == groups[:3] + groups[4:10] + groups[19:]
+
+
+def _schedules(fast: bool, mode: str, prob: float, caching: bool) -> list[tuple]:
+    """Every step's schedule of one workload that preempts (a cache of 10 blocks for 7
+    requests), keyed by request and sequence index."""
+    cfg = EngineConfig(model="unused", block_size=4, watermark=0.0, max_num_batched_tokens=16,
+                       max_num_seqs=5, preemption_mode=mode, artificial_preemption_prob=prob,
+                       artificial_preemption_seed=7)
+    sched = Scheduler(cfg, BlockManager(10, 12, 4, 0.0, enable_prefix_caching=caching),
+                      fast_paths=fast)
+    for i, (prompt_len, max_tokens, n) in enumerate(
+            [(5, 9, 1), (8, 6, 1), (3, 12, 2), (9, 7, 1), (4, 10, 1), (6, 8, 1), (2, 5, 1)]):
+        add(sched, prompt_len, float(i), max_tokens=max_tokens, n=n)
+    steps = []
+    for out in drain(sched):
+        steps.append(([(s.group.request_id, s.seq.index, s.num_new_tokens, s.do_sample)
+                       for s in out.scheduled], out.blocks_to_swap_in, out.blocks_to_swap_out,
+                      out.blocks_to_copy, [g.request_id for g in out.finished],
+                      out.num_preempted))
+        sched.block_manager.check_invariants()
+    return steps + [sorted(sched.counters.items())]
+
+
+def test_the_fast_paths_schedule_as_the_general_path_under_preemption():
+    for mode, prob, caching in [("recompute", 0.0, False), ("swap", 0.0, True),
+                                ("recompute", 0.3, True), ("swap", 0.3, False)]:
+        fast, general = (_schedules(f, mode, prob, caching) for f in (True, False))
+        assert fast == general, (mode, prob, caching)
+        counters = dict(fast[-1])
+        assert counters["num_recompute_preemptions"] + counters["num_swap_outs"] > 0
+        assert (counters["num_artificial_preemptions"] > 0) == (prob > 0)
