@@ -12,6 +12,8 @@ from typing import Any
 
 import redis
 
+from producer.protocol import Keys, ProtocolError, validate_name
+
 # A fence counter outlives any attempt it guards (it is bumped at every claim from its worker).
 FENCE_TTL_S = 7 * 24 * 3600
 DEAD_LETTER_MAXLEN = 10_000  # per model (FINISH_LUA)
@@ -173,30 +175,39 @@ return done
 # Heartbeat-gated reclaim: claim up to `count` pending entries of consumers whose heartbeat key
 # is gone (and, when include_self is 1, this worker's own entries: a restart under the same name
 # re-reads them). A live worker is never robbed, however long its generation. Consumers that are
-# gone and own nothing are deleted from the group.
+# gone and own nothing are deleted from the group and from the model's worker registry.
 # Each consumer something was claimed from gets its fence counter bumped (WRITE_EVENTS_LUA).
-# KEYS: jobs stream. ARGV: group, me, heartbeat key prefix, count, include_self, fence counter
-# key prefix, fence counter ttl.
+# Every key it touches is declared (a cluster routes by them, and refuses undeclared ones): the
+# caller names the consumers it saw (XINFO CONSUMERS) with their heartbeat and fence keys, all in
+# the stream's slot; a consumer that appears between that look and this call waits for the next.
+# KEYS: jobs stream, worker registry set, then per named consumer: heartbeat key, fence key.
+# ARGV: group, me, count, include_self, fence counter ttl, consumer name 1..c.
 # Returns {entry id, fields, deliveries} per claimed entry.
 RECLAIM_LUA = """
-local group, me, hb_prefix = ARGV[1], ARGV[2], ARGV[3]
-local budget = tonumber(ARGV[4])
+local group, me = ARGV[1], ARGV[2]
+local budget = tonumber(ARGV[3])
 local claimed = {}
 if budget <= 0 then return claimed end
-local consumers = redis.call('XINFO', 'CONSUMERS', KEYS[1], group)
-for _, c in ipairs(consumers) do
+local pending_of = {}
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], group)) do
   local name, pending = nil, 0
   for i = 1, #c, 2 do
     if c[i] == 'name' then name = c[i + 1] elseif c[i] == 'pending' then pending = c[i + 1] end
   end
+  pending_of[name] = pending
+end
+for k = 6, #ARGV do
+  local name = ARGV[k]
+  local heartbeat, fence = KEYS[2 * (k - 5) + 1], KEYS[2 * (k - 5) + 2]
+  local pending = pending_of[name]
   local mine = name == me
-  local gone = (mine and ARGV[5] == '1') or
-               (not mine and redis.call('EXISTS', hb_prefix .. name) == 0)
+  local gone = pending ~= nil and ((mine and ARGV[4] == '1') or
+                                   (not mine and redis.call('EXISTS', heartbeat) == 0))
   if gone and pending > 0 then
     local entries = redis.call('XPENDING', KEYS[1], group, '-', '+', budget, name)
     if #entries > 0 then  -- before the claims: the loop below may return early
-      redis.call('INCR', ARGV[6] .. name)
-      redis.call('EXPIRE', ARGV[6] .. name, ARGV[7])
+      redis.call('INCR', fence)
+      redis.call('EXPIRE', fence, ARGV[5])
     end
     for _, e in ipairs(entries) do
       local got = redis.call('XCLAIM', KEYS[1], group, me, 0, e[1])
@@ -208,10 +219,31 @@ for _, c in ipairs(consumers) do
     end
   elseif gone and pending == 0 and not mine then
     redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group, name)
+    redis.call('SREM', KEYS[2], name)
   end
 end
 return claimed
 """
+
+
+def reclaim_call(keys: Keys, model: str, me: str, consumers: list[str], count: int,
+                 include_self: bool) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV of RECLAIM_LUA for the consumers seen in `model`'s group."""
+    names = [name for name in consumers if name == me or _valid_name(name)]
+    call_keys = [keys.jobs(model), keys.workers(model)]
+    for name in names:
+        call_keys += [keys.worker(model, name), keys.fence(model, name)]
+    return call_keys, [keys.group, me, count, "1" if include_self else "0", FENCE_TTL_S, *names]
+
+
+def _valid_name(name: str) -> bool:
+    """A consumer name a worker could have (another client may add odd ones to the group: those
+    are left alone, as no heartbeat key can be named for them)."""
+    try:
+        validate_name(name, "worker name")
+    except ProtocolError:
+        return False
+    return True
 
 
 class Scripts:
