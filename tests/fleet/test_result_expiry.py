@@ -38,7 +38,7 @@ def test_results_read_after_the_reply_expired_raise_result_expired(
         server: RedisServer, worker: WorkerProcess) -> None:
     client = Client(server.url)
     done = client.submit("the quick brown fox", PARAMS, model="tiny")
-    client.cancel("cancelled-early")  # ends with an error event ("cancelled")
+    client.cancel("cancelled-early", "tiny")  # ends with an error event ("cancelled")
     refused = client.submit("the quick brown fox", PARAMS, model="tiny", job_id="cancelled-early")
     expired(server, done.id)
     expired(server, refused.id)

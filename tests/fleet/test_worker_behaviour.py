@@ -113,7 +113,7 @@ def test_cancel_mid_generation_frees_blocks_and_ends_with_cancelled(
 def test_a_job_cancelled_before_any_worker_read_it_ends_cancelled(
         server: RedisServer, worker: WorkerProcess) -> None:
     client = Client(server.url)
-    client.cancel("early-1")
+    client.cancel("early-1", "tiny")
     job = client.submit("the quick", {"temperature": 0, "max_tokens": 500, "ignore_eos": True},
                         model="tiny", job_id="early-1")
     with pytest.raises(JobError) as exc:
@@ -260,7 +260,7 @@ def test_a_handed_back_job_that_fails_to_decode_answers_in_its_current_attempt(
     end = wait_for(lambda: terminal(server, job_id), timeout=30, what="the error event")
     assert (end["type"], end["code"], end["attempt"]) == ("error", "unknown_field", 3)
     with pytest.raises(JobError) as exc:
-        Client(server.url).job(job_id).result(timeout=5)
+        Client(server.url).job(job_id, "tiny").result(timeout=5)
     assert exc.value.code == "unknown_field"
 
 
