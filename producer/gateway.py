@@ -36,6 +36,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from producer import connection
 from producer import openai_schema as oa
 from producer.client import make_job_spec
 from producer.gateway_async import ClientGone, anext_or_none, chain, watch_disconnect
@@ -116,7 +117,9 @@ class Gateway:
 
     async def start(self) -> None:
         """In the app's event loop, before the first request."""
-        self.hub = ReplyHub(self.cfg.redis_url)
+        if not connection.parse(self.cfg.redis_url).is_cluster:  # (on a cluster, one XREAD
+            # over many jobs' streams would cross slots: each request reads its own stream)
+            self.hub = ReplyHub(self.cfg.redis_url)
 
     async def stop(self) -> None:
         """At shutdown (after the drain): the jobs of cut streams are cancelled now, since

@@ -225,6 +225,26 @@ end
 return claimed
 """
 
+# An attempt whose write Redis refused for good (worker/io_thread.py) counts as failed: while this
+# worker still owns the entry at that delivery count, it claims the entry again, which adds a
+# delivery. The worker drops the attempt and adopts the entry again as its next attempt, so past
+# --max-attempts it ends in the dead letters instead of running again and again.
+# KEYS: jobs stream. ARGV: group, me, then per attempt: entry id, deliveries.
+# Returns the entry ids claimed again.
+FAIL_ATTEMPTS_LUA = """
+local group, me = ARGV[1], ARGV[2]
+local failed = {}
+for i = 3, #ARGV, 2 do
+  local id = ARGV[i]
+  local p = redis.call('XPENDING', KEYS[1], group, id, id, 1)[1]
+  if p ~= nil and p[2] == me and tonumber(p[4]) == tonumber(ARGV[i + 1]) then
+    redis.call('XCLAIM', KEYS[1], group, me, 0, id)
+    failed[#failed + 1] = id
+  end
+end
+return failed
+"""
+
 
 def reclaim_call(keys: Keys, model: str, me: str, consumers: list[str], count: int,
                  include_self: bool) -> tuple[list[str], list[Any]]:
@@ -254,6 +274,7 @@ class Scripts:
         self.write_events = conn.register_script(WRITE_EVENTS_LUA)
         self.finish = conn.register_script(FINISH_LUA)
         self.reclaim = conn.register_script(RECLAIM_LUA)
+        self.fail_attempts = conn.register_script(FAIL_ATTEMPTS_LUA)
 
     @staticmethod
     def queue(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> None:
@@ -263,7 +284,7 @@ class Scripts:
         pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     def load(self) -> None:
-        for script in (self.write_events, self.finish, self.reclaim):
+        for script in (self.write_events, self.finish, self.reclaim, self.fail_attempts):
             self.conn.script_load(script.script)  # its sha is the script's digest: unchanged
 
 

@@ -61,7 +61,7 @@ def post(server: RedisServer, headers: dict[str, str], cut_job: str | None = Non
         app = create_app(GatewayConfig(redis_url=server.url, resume_grace_s=0.3, **cfg))
         gateway = app.state.gateway
         if cut_job is not None:
-            gateway.cancel_later([cut_job])
+            gateway.cancel_later([cut_job], "tiny")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://gateway") as http:
             resp = await http.post("/v1/completions", json=body, headers=headers)

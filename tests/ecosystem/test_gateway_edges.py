@@ -268,10 +268,10 @@ def test_a_cut_requests_delayed_cancel_spares_a_job_that_a_retry_reads(tmp_path:
         gateway = Gateway(GatewayConfig(redis_url=server.url, resume_grace_s=0.1))
         conn = server.client()
         with gateway._reading(["job-r"]):  # the retry is reading the job
-            gateway.cancel_later(["job-r"])  # the first request, cut, schedules its cancel
+            gateway.cancel_later(["job-r"], "tiny")  # the first request, cut, schedules its cancel
             await asyncio.sleep(0.4)
             spared = conn.exists(Keys().cancel("job-r", "tiny"))
-        gateway.cancel_later(["job-r"])  # the retry is cut too: nobody reads the job now
+        gateway.cancel_later(["job-r"], "tiny")  # the retry is cut too: nobody reads the job now
         await asyncio.sleep(0.4)
         cancelled = conn.exists(Keys().cancel("job-r", "tiny"))
         await gateway.redis.close()

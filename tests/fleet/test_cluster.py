@@ -168,3 +168,28 @@ def test_kill_9_and_reclaim_on_a_cluster_run_each_job_once(
         raw = reply_events(nodes, job.id)  # type: ignore[arg-type]
         assert sum(e["type"] in ("done", "error") for e in raw) == 1
     assert survivor.alive()
+
+
+def test_the_gateway_serves_a_completion_from_a_cluster(
+        cluster: tuple[RedisClusterSet, WorkerFactory, WorkerProcess], offline: Oracle) -> None:
+    """In process: it finds the worker in the registry, submits, and reads the reply stream."""
+    import asyncio
+
+    import httpx
+
+    from producer.gateway import GatewayConfig
+    from producer.gateway_app import create_app
+
+    nodes, _, _ = cluster
+
+    async def complete() -> httpx.Response:
+        app = create_app(GatewayConfig(redis_url=nodes.url))
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
+            return await http.post("/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": "the quick brown fox", **GREEDY})
+
+    resp = asyncio.run(complete())
+    assert resp.status_code == 200, resp.text
+    [want] = offline(["the quick brown fox"], GREEDY)
+    assert resp.json()["choices"][0]["text"] == want[0][1]

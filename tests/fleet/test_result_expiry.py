@@ -29,8 +29,8 @@ def worker(server: RedisServer, tiny_llama: Path,
 
 def expired(server: RedisServer, job_id: str) -> None:
     conn = server.client()
-    wait_for(lambda: conn.get(KEYS.idem(job_id)) == b"ended"
-             and not conn.exists(KEYS.reply(job_id)), timeout=30, interval=0.1,
+    wait_for(lambda: conn.get(KEYS.idem(job_id, "tiny")) == b"ended"
+             and not conn.exists(KEYS.reply(job_id, "tiny")), timeout=30, interval=0.1,
              what=f"job {job_id} ended and its reply stream expired")
 
 

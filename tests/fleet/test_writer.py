@@ -381,3 +381,38 @@ def test_the_dead_letter_stream_keeps_about_the_newest_ten_thousand(
     assert newest[b"entry"].decode() == entry_ids[-1]
     assert oldest[b"entry"].decode() == entry_ids[count - length]
     assert conn.xlen(JOBS) == 0  # (every entry acked and deleted)
+
+
+def test_a_write_refused_for_good_counts_a_failed_attempt_of_its_job_only(
+        redis_server: RedisServer) -> None:
+    """A worker user that may not write j1's reply key (any lasting refusal: an ACL, a cluster's
+    CROSSSLOT): j0, written in the same pipeline, gets its events; j1's attempt counts as failed
+    (a delivery more, handed back as lost, so the worker runs it again as its next attempt and
+    past --max-attempts dead-letters it). That dead-lettering, refused at j1's reply key too,
+    writes the dead letter and the ack alone."""
+    first, second = setup_group(redis_server, "me", 2)
+    admin = redis_server.client()
+    admin.execute_command("ACL", "SETUSER", "narrow", "on", ">pw", "resetkeys", "~genq:jobs:*",
+                          "~genq:dead:*", "~genq:idem:*", "~genq:reply:{m}:j0", "+@all")
+    conn = redis.Redis(port=redis_server.port, username="narrow", password="pw", protocol=2)
+    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer.start()
+    writer.submit(Batch(events=[
+        EventWrite(first, 1, KEYS.reply("j0"), [started_event(1, "me")]),
+        EventWrite(second, 1, KEYS.reply("j1"), [started_event(1, "me")])]))
+    writer.flush()
+    assert writer.lost.get_nowait() == (second, 1) and writer.lost.empty()
+    assert [e["type"] for e in events_of(redis_server, "j0")] == ["started"]
+    pending = admin.xpending_range(JOBS, "workers", "-", "+", 10)
+    assert [(p["message_id"].decode(), p["times_delivered"]) for p in pending] == [
+        (first, 1), (second, 2)]
+    writer.submit(Batch(finishes=[FinishWrite(
+        second, 2, KEYS.reply("j1"), encode_event(error_event(2, "max_attempts", "x")),
+        dead_fields=["code", "max_attempts", "entry", second], idem_key=KEYS.idem("j1"))]))
+    writer.flush()
+    writer.stop()
+    assert writer.finished.get_nowait() == second
+    assert [(f[b"code"], f[b"entry"].decode()) for _, f in admin.xrange(KEYS.dead("m"))] == [
+        (b"max_attempts", second)]
+    assert [p["message_id"].decode() for p in admin.xpending_range(
+        JOBS, "workers", "-", "+", 10)] == [first]
