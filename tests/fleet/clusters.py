@@ -4,6 +4,8 @@ failed over, or have a slot migrated away)."""
 
 from __future__ import annotations
 
+import random
+import socket
 from pathlib import Path
 
 import redis
@@ -13,10 +15,28 @@ from tests.fleet.harness import wait_for
 from tests.fleet.sentinels import DataNode
 
 NUM_SLOTS = 16384
+BUS_OFFSET = 10000  # a node's cluster bus listens this far above its port
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port is free too (both below 65536)."""
+    while True:
+        port = random.randrange(20000, 65536 - BUS_OFFSET)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + BUS_OFFSET))
+            return port
+        except OSError:
+            continue
 
 
 class ClusterNodeServer(DataNode):
     """One node of a cluster (appendonly, fsync always; its nodes.conf in its directory)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.port = cluster_port()
 
     def start(self) -> None:
         self._start_with(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
