@@ -224,6 +224,7 @@ class _Wait:
                 raise ValueError(f"job {job.id} is given twice")
             self.waiting[job.reply_key] = i
         self.seen = dict.fromkeys(self.waiting, "0-0")  # reply key -> id of the entry seen last
+        self.slots = {key: key_slot(key.encode()) for key in self.waiting}  # (once, not a pass)
         self.script = conn.register_script(LAST_ENTRIES_LUA)
 
     def one_pass(self) -> int:
@@ -241,7 +242,7 @@ class _Wait:
     def until_news(self, block_ms: int) -> None:
         """Returns when one of the oldest 512 unfinished streams of the oldest one's slot has an
         entry after the one seen (at once if one has), or after block_ms."""
-        oldest = _slot_chunks(self.waiting)[0]
+        oldest = _slot_chunks(self.waiting, self.slots)[0]
         self.conn.xread({k: self.seen[k] for k in oldest}, count=1, block=block_ms)
 
     def expired_pass(self) -> None:
@@ -251,7 +252,7 @@ class _Wait:
         from producer.client import ResultExpired
 
         never = [k for k in self.waiting if self.seen[k] == "0-0"]
-        for chunk in _slot_chunks(never):
+        for chunk in _slot_chunks(never, self.slots):
             jobs = [self.jobs[self.waiting[k]] for k in chunk]
             try:  # (a job's idem key shares its reply key's slot)
                 marks = self.conn.mget([job.client.keys.idem(job.id, job.model or None)
@@ -273,7 +274,7 @@ class _Wait:
 
     def _pass_last_entries(self) -> int:
         changed = 0
-        for chunk in _slot_chunks(self.waiting):
+        for chunk in _slot_chunks(self.waiting, self.slots):
             reply: Any = self.script(keys=chunk, args=[REPLY_FIELD, *map(self.seen.__getitem__,
                                                                           chunk)])
             changed += len(reply) // 3
@@ -285,7 +286,7 @@ class _Wait:
         """The same with XREAD alone: every entry after the one seen is sent, up to 512 a stream;
         only the newest of them is decoded (the terminal event is the last one)."""
         changed = 0
-        for chunk in _slot_chunks(self.waiting):
+        for chunk in _slot_chunks(self.waiting, self.slots):
             resp: Any = self.conn.xread({k: self.seen[k] for k in chunk},
                                         count=_ENTRIES_PER_READ)
             for raw_key, entries in resp or []:
@@ -320,12 +321,12 @@ class _Wait:
         self.ended.append(index)
 
 
-def _slot_chunks(keys: Iterable[str]) -> list[list[str]]:
-    """`keys` grouped by cluster slot (the groups in the order of their first key, each in the
-    keys' order) and cut into chunks of at most _STREAMS_PER_READ."""
+def _slot_chunks(keys: Iterable[str], slots: dict[str, int]) -> list[list[str]]:
+    """`keys` grouped by cluster slot (`slots`: key -> slot; the groups in the order of their
+    first key, each in the keys' order) and cut into chunks of at most _STREAMS_PER_READ."""
     groups: dict[int, list[str]] = {}
     for key in keys:
-        groups.setdefault(key_slot(key.encode()), []).append(key)
+        groups.setdefault(slots[key], []).append(key)
     return [group[lo:lo + _STREAMS_PER_READ] for group in groups.values()
             for lo in range(0, len(group), _STREAMS_PER_READ)]
 

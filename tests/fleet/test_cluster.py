@@ -64,8 +64,9 @@ def test_every_script_calls_keys_map_to_one_slot() -> None:
             assert one_slot(call + [keys.jobs(model)]), call
         assert len(reclaim) == 2 + 2 * 2  # (a name no worker could have is left out)
     replies = [keys.reply(new_job_id(m)) for m in ("a", "b", "a", "c", "b")]
-    assert [len(chunk) for chunk in _slot_chunks(replies)] == [2, 2, 1]
-    assert all(one_slot(chunk) for chunk in _slot_chunks(replies))
+    chunks = _slot_chunks(replies, {r: key_slot(r.encode()) for r in replies})
+    assert [len(chunk) for chunk in chunks] == [2, 2, 1]
+    assert all(one_slot(chunk) for chunk in chunks)
 
 
 def _spec(model: str, job_id: str) -> Any:
@@ -145,31 +146,6 @@ def test_cancel_and_dead_letters_on_a_cluster(
     assert [(f[b"entry"], f[b"code"]) for _id, f in dead] == [(entry, b"bad_id")]
 
 
-def test_kill_9_and_reclaim_on_a_cluster_run_each_job_once(
-        cluster: tuple[RedisClusterSet, WorkerFactory, WorkerProcess], tiny_llama: Path,
-        offline: Oracle) -> None:
-    """Last: it kills the module's worker. Its held jobs are reclaimed by a worker started after
-    the kill; every job ends once and every token position arrives once."""
-    nodes, factory, victim = cluster
-    params = {"temperature": 0, "max_tokens": 160, "ignore_eos": True}
-    prompts = corpus(3, seed=23)
-    with Client(nodes.url) as client:
-        jobs = [client.submit(p, params, model="tiny") for p in prompts]
-        wait_for(lambda: all(tokens_written(nodes, j.id) for j in jobs), timeout=120,
-                 what="every job's first tokens")
-        victim.kill9()
-        survivor = factory.start(nodes.url, tiny_llama, "c2", "--result-ttl", "600")
-        results = [list(job.stream(timeout=240)) for job in jobs]
-    expected = offline(prompts, params)
-    for job, events, want in zip(jobs, results, expected, strict=True):
-        positions, tokens = streamed_tokens(events)
-        assert positions == list(range(160)) and tokens == want[0][0], job.id
-        assert (events[-1]["type"], events[-1]["attempt"]) == ("done", 2)
-        raw = reply_events(nodes, job.id)  # type: ignore[arg-type]
-        assert sum(e["type"] in ("done", "error") for e in raw) == 1
-    assert survivor.alive()
-
-
 def test_the_gateway_serves_a_completion_from_a_cluster(
         cluster: tuple[RedisClusterSet, WorkerFactory, WorkerProcess], offline: Oracle) -> None:
     """In process: it finds the worker in the registry, submits, and reads the reply stream."""
@@ -193,3 +169,28 @@ def test_the_gateway_serves_a_completion_from_a_cluster(
     assert resp.status_code == 200, resp.text
     [want] = offline(["the quick brown fox"], GREEDY)
     assert resp.json()["choices"][0]["text"] == want[0][1]
+
+
+def test_kill_9_and_reclaim_on_a_cluster_run_each_job_once(
+        cluster: tuple[RedisClusterSet, WorkerFactory, WorkerProcess], tiny_llama: Path,
+        offline: Oracle) -> None:
+    """Last: it kills the module's worker. Its held jobs are reclaimed by a worker started after
+    the kill; every job ends once and every token position arrives once."""
+    nodes, factory, victim = cluster
+    params = {"temperature": 0, "max_tokens": 160, "ignore_eos": True}
+    prompts = corpus(3, seed=23)
+    with Client(nodes.url) as client:
+        jobs = [client.submit(p, params, model="tiny") for p in prompts]
+        wait_for(lambda: all(tokens_written(nodes, j.id) for j in jobs), timeout=120,
+                 what="every job's first tokens")
+        victim.kill9()
+        survivor = factory.start(nodes.url, tiny_llama, "c2", "--result-ttl", "600")
+        results = [list(job.stream(timeout=240)) for job in jobs]
+    expected = offline(prompts, params)
+    for job, events, want in zip(jobs, results, expected, strict=True):
+        positions, tokens = streamed_tokens(events)
+        assert positions == list(range(160)) and tokens == want[0][0], job.id
+        assert (events[-1]["type"], events[-1]["attempt"]) == ("done", 2)
+        raw = reply_events(nodes, job.id)  # type: ignore[arg-type]
+        assert sum(e["type"] in ("done", "error") for e in raw) == 1
+    assert survivor.alive()
