@@ -127,6 +127,8 @@ class ClientSettings:
         if min_replicas < 0 or replica_timeout <= 0 or failover_timeout < 0:
             raise ValueError("min_replicas must be >= 0, replica_timeout > 0 and "
                              "failover_timeout >= 0")
+        if min_replicas and connection.parse(url).is_cluster:
+            raise ValueError(f"min_replicas: {connection.NO_REPLICA_WAIT_ON_CLUSTER}")
         self.url = url
         self.keys = Keys(prefix)
         self.idempotency_ttl = idempotency_ttl

@@ -46,6 +46,11 @@ SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 DIRECT_SCHEMES = ("redis", "rediss", "unix")
 CONNECT_TIMEOUT = 5.0
+# (WAIT counts the replicas of the one node a connection writes to; a cluster client's writes
+# go to many)
+NO_REPLICA_WAIT_ON_CLUSTER = ("waiting for replicas (WAIT) is not supported with a "
+                              "redis+cluster:// URL: leave it 0 and set min-replicas-to-write on "
+                              "the cluster's nodes")
 _SENTINEL_ONLY = ("sentinel_username", "sentinel_password")
 
 

@@ -81,6 +81,9 @@ def test_cluster_urls_parse_into_nodes_and_credentials() -> None:
                              "ssl": True}
     with pytest.raises(argparse.ArgumentTypeError, match="a cluster has only database 0"):
         redis_url("redis+cluster://h:1/2")
+    with pytest.raises(ValueError, match=r"^min_replicas: waiting for replicas \(WAIT\) is not "
+                                         "supported with a redis\\+cluster:// URL"):
+        Client("redis+cluster://h:1", min_replicas=1)
 
 
 def tokens_written(nodes: RedisClusterSet, job_id: str) -> bool:

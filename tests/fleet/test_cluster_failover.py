@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from producer import Client, Job
+from producer.connection import ClusterNodeError, connect
 from producer.protocol import Keys
 from tests.fleet.clusters import ClusterNodeServer, RedisClusterSet
 from tests.fleet.harness import (
@@ -100,6 +101,18 @@ def test_two_models_live_on_two_nodes_and_both_serve(fleet: Fleet, offline: Orac
     want = offline(prompts, params)
     assert [[o["token_ids"] for o in r["outputs"]] for r in results] == \
         [[seq[0] for seq in w] for w in want]
+
+
+def test_a_plain_url_at_a_cluster_node_names_the_cluster_url(fleet: Fleet) -> None:
+    b = fleet.models[1]
+    other = next(m for m in fleet.nodes.masters if m.port != fleet.owner(b).port)
+    conn = connect(f"redis://127.0.0.1:{other.port}/0")
+    with pytest.raises(ClusterNodeError) as err:
+        conn.xlen(KEYS.jobs(b))
+    assert str(err.value).startswith(f"127.0.0.1:{other.port} is a node of a Redis Cluster (it "
+                                     "answered 'MOVED ")
+    assert str(err.value).endswith(f"connect with redis+cluster://127.0.0.1:{other.port} "
+                                   "(rediss+cluster:// for TLS) instead")
 
 
 def test_a_failover_of_the_node_holding_a_stream_mid_run(fleet: Fleet, offline: Oracle) -> None:
