@@ -211,10 +211,11 @@ class ClusterNodeError(redis.exceptions.ResponseError):
 
 
 def _cluster_refusal(exc: redis.exceptions.ResponseError, host: str, port: int) -> Exception:
-    if not str(exc).startswith(("MOVED ", "ASK ")):
+    if not isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
         return exc
+    answer = f"{'MOVED' if isinstance(exc, redis.exceptions.MovedError) else 'ASK'} {exc}"
     return ClusterNodeError(
-        f"{host}:{port} is a node of a Redis Cluster (it answered {str(exc)[:40]!r}): connect "
+        f"{host}:{port} is a node of a Redis Cluster (it answered {answer[:40]!r}): connect "
         f"with redis+cluster://{host}:{port} (rediss+cluster:// for TLS) instead")
 
 
