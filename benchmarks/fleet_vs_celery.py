@@ -173,7 +173,7 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
     from worker.io_thread import Writer
 
     conn = redis.Redis.from_url(url, protocol=2)
-    keys = Keys("genqbench")
+    keys = Keys("genqbench", "w")  # (the jobs of its replies: model w's)
     jobs_key = keys.jobs("w")
     conn.xgroup_create(jobs_key, "workers", id="0", mkstream=True)
     for _ in range(num_jobs):

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from producer import connection
 from producer.client import (
@@ -19,7 +20,7 @@ from producer.client import (
 )
 from producer.errors import JobError, ResultExpired
 from producer.events import ClientEvent, DoneEvent
-from producer.protocol import SUBMIT_LUA, JobSpec, as_str
+from producer.protocol import SUBMIT_LUA, JobSpec, as_str, job_model
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, result_from_events
 from producer.results import reply_expired_async
 
@@ -66,12 +67,13 @@ class AsyncClient(ClientSettings):
                 if len(specs) == 1 and not self.min_replicas:
                     keys, args = self.submit_call(specs[0])
                     return [await self._submit_script(keys=keys, args=args)]
-                pipe = self.redis.pipeline(transaction=False)
-                for spec in specs:
-                    keys, args = self.submit_call(spec)
-                    await self._submit_script(keys=keys, args=args, client=pipe)
-                self.queue_wait(pipe)
-                return self.replicated(await pipe.execute(), specs)
+                try:
+                    return self.replicated(
+                        await self.submit_pipeline(self.redis, specs).execute(), specs)
+                except NoScriptError:  # (Client._submit_pipelined)
+                    await self.redis.script_load(SUBMIT_LUA)
+                    return self.replicated(
+                        await self.submit_pipeline(self.redis, specs).execute(), specs)
             except connection.RETRYABLE:
                 delay = next(delays, None)
                 if delay is None:
@@ -110,10 +112,12 @@ class AsyncClient(ClientSettings):
     def job(self, job_id: str, model: str = "") -> AsyncJob:
         return AsyncJob(self, job_id, model, created=False)
 
-    async def cancel(self, job_id: str) -> None:
+    async def cancel(self, job_id: str, model: str | None = None) -> None:
+        """Client.cancel."""
+        model = model or job_model(job_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(job_id), 1, ex=self.cancel_ttl)
-        pipe.publish(self.keys.cancel_channel, job_id)
+        pipe.set(self.keys.cancel(job_id, model), 1, ex=self.cancel_ttl)
+        pipe.spublish(self.keys.cancel_channel(model), job_id)
         await pipe.execute()
 
     async def close(self) -> None:
@@ -135,7 +139,7 @@ class AsyncJob:
         self.model = model
         self.created = created
         self.entry_id = entry_id  # the job-stream entry (its ms part is the enqueue time)
-        self.reply_key = client.keys.reply(job_id)
+        self.reply_key = client.keys.reply(job_id, model or None)
 
     def __repr__(self) -> str:
         return f"AsyncJob(id={self.id!r}, model={self.model!r})"
@@ -171,13 +175,14 @@ class AsyncJob:
             if reader.finished:
                 return
             if reader.may_be_expired and await reply_expired_async(
-                    self.client.redis, self.client.keys.idem(self.id), self.reply_key):
+                    self.client.redis, self.client.keys.idem(self.id, self.model or None),
+                    self.reply_key):
                 raise ResultExpired(self.id)
             if reader.timed_out(time.monotonic()):
                 raise reader.timeout_error(self.id)
 
     async def cancel(self) -> None:
-        await self.client.cancel(self.id)
+        await self.client.cancel(self.id, self.model or None)
 
 
 def _entries(resp: Any) -> list[Any]:

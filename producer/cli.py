@@ -19,7 +19,8 @@ import redis
 from producer.events import DoneEvent
 from producer.flags import DefaultsHelpFormatter, add_limit_args, add_redis_args, limits_from_args
 from producer.limits import check_limits
-from producer.protocol import Keys, ProtocolError, as_str, decode_heartbeat, waiting_entries
+from producer.protocol import Keys, ProtocolError, as_str, waiting_entries
+from producer.registry import heartbeats
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("producer.cli:submit_main", "submit one job and stream its text"),
@@ -246,17 +247,18 @@ def live_consumers(conn: Any, keys: Keys, model: str) -> int:
         names = [c["name"] for c in conn.xinfo_consumers(keys.jobs(model), keys.group)]
     except redis.ResponseError:  # no such stream or group yet
         return 0
-    return int(conn.exists(*(keys.worker(as_str(n)) for n in names))) if names else 0
+    return int(conn.exists(*(keys.worker(model, as_str(n)) for n in names))) if names else 0
 
 
 def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
+    """One row per job stream, also of models no worker serves (a SCAN: on a cluster, the
+    client's SCAN walks every primary; an operator's look, not a hot path)."""
     rows = []
-    for raw in sorted(conn.scan_iter(match=f"{keys.jobs_prefix}*", count=1000,
-                                     _type="stream")):
-        key = raw.decode()
-        model = key[len(keys.jobs_prefix):]
-        groups = {as_str(g["name"]): g
-                  for g in conn.xinfo_groups(key)}
+    head = keys.jobs("m")[:-len("{m}")]
+    for raw in sorted(conn.scan_iter(match=f"{head}{{*}}", count=1000, _type="stream")):
+        key = as_str(raw)
+        model = key[len(head) + 1:-1]
+        groups = {as_str(g["name"]): g for g in conn.xinfo_groups(key)}
         group = groups.get(keys.group, {})
         length = conn.xlen(key)
         pending = int(group.get("pending", 0))
@@ -272,17 +274,10 @@ def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
 def worker_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
     rows = []
     now = time.time()
-    for raw in sorted(conn.scan_iter(match=f"{keys.worker_prefix}*", count=1000)):
-        value = conn.get(raw)
-        if value is None:
-            continue
-        try:
-            info = decode_heartbeat(value)
-        except ProtocolError:
-            continue
+    for model, name, info in heartbeats(conn, keys):
         total = info.get("num_total_blocks") or 0
         used = total - (info.get("num_free_blocks") or 0)
-        rows.append({"name": raw.decode()[len(keys.worker_prefix):], "model": info.get("model"),
+        rows.append({"name": name, "model": model,
                      "device": info.get("device"),
                      "heartbeat_age_s": round(now - float(info.get("ts", now)), 1),
                      "running": info.get("running"), "waiting": info.get("waiting"),

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,6 +22,8 @@ from producer.protocol import (
     as_str,
     check_job_spec,
     encode_job_entry,
+    job_model,
+    new_job_id,
 )
 from producer.reply_reader import (
     BLOCK_MS,
@@ -35,6 +37,7 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_IDEMPOTENCY_TTL = 24 * 3600
 DEFAULT_STREAM_TTL = 7 * 24 * 3600
 DEFAULT_CANCEL_TTL = 3600
+SUBMIT_SHA = hashlib.sha1(SUBMIT_LUA.encode()).hexdigest()
 
 
 def connect(url: str, *, blocking: bool = False) -> redis.Redis:
@@ -61,7 +64,7 @@ def make_job_spec(prompt: Prompt | None, params: dict[str, Any] | None, model: s
     text = prompt if isinstance(prompt, str) else None
     ids = None if prompt is None or isinstance(prompt, str) else list(prompt)
     chat = None if messages is None else [dict(m) for m in messages]
-    spec = JobSpec(id=job_id or uuid.uuid4().hex, model=model, prompt=text, prompt_token_ids=ids,
+    spec = JobSpec(id=job_id or new_job_id(model), model=model, prompt=text, prompt_token_ids=ids,
                    messages=chat, params=params, seed=seed, created=time.time(), deadline=deadline,
                    stream=stream, priority=priority)
     return check_job_spec(spec)
@@ -84,6 +87,8 @@ class ClientSettings:
         if min_replicas < 0 or replica_timeout <= 0 or failover_timeout < 0:
             raise ValueError("min_replicas must be >= 0, replica_timeout > 0 and "
                              "failover_timeout >= 0")
+        if min_replicas and connection.parse(url).is_cluster:
+            raise ValueError(f"min_replicas: {connection.NO_REPLICA_WAIT_ON_CLUSTER}")
         self.url = url
         self.keys = Keys(prefix)
         self.idempotency_ttl = idempotency_ttl
@@ -95,7 +100,7 @@ class ClientSettings:
 
     def submit_call(self, spec: JobSpec) -> tuple[list[Any], list[Any]]:
         """The keys and args of SUBMIT_LUA for `spec`."""
-        return ([self.keys.idem(spec.id), self.keys.jobs(spec.model)],
+        return ([self.keys.idem(spec.id, spec.model), self.keys.jobs(spec.model)],
                 [self.idempotency_ttl, PROTOCOL_VERSION, encode_job_entry(spec)["job"],
                  self.stream_ttl])
 
@@ -118,6 +123,15 @@ class ClientSettings:
                 raise NotReplicated([s.id for s in specs], acks, self.min_replicas,
                                     self.replica_timeout)
         return results
+
+    def submit_pipeline(self, conn: Any, specs: Sequence[JobSpec]) -> Any:
+        """A pipeline (not run yet) of SUBMIT_LUA for each of `specs`, then the WAIT."""
+        pipe = conn.pipeline(transaction=False)
+        for spec in specs:
+            keys, args = self.submit_call(spec)
+            pipe.execute_command("EVALSHA", SUBMIT_SHA, len(keys), *keys, *args)
+        self.queue_wait(pipe)
+        return pipe
 
     def queue_wait(self, pipe: Any) -> None:
         """Add the WAIT for min_replicas to a pipeline (same connection as its writes)."""
@@ -168,17 +182,22 @@ class Client(ClientSettings):
                 if len(specs) == 1 and not self.min_replicas:  # (no pipeline: one round trip)
                     keys, args = self.submit_call(specs[0])
                     return [self._submit_script(keys=keys, args=args)]
-                pipe = self.redis.pipeline(transaction=False)
-                for spec in specs:
-                    keys, args = self.submit_call(spec)
-                    self._submit_script(keys=keys, args=args, client=pipe)
-                self.queue_wait(pipe)
-                return self.replicated(pipe.execute(), specs)
+                return self._submit_pipelined(specs)
             except connection.RETRYABLE:
                 delay = next(delays, None)
                 if delay is None:
                     raise
                 time.sleep(delay)
+
+    def _submit_pipelined(self, specs: Sequence[JobSpec]) -> list[Any]:
+        """The submits in one pipeline, as EVALSHA commands (a cluster's pipeline routes each by
+        its keys; it refuses redis-py's script objects). A NOSCRIPT loads the script and runs
+        the pipeline again (a submit is idempotent per job id)."""
+        try:
+            return self.replicated(self.submit_pipeline(self.redis, specs).execute(), specs)
+        except redis.exceptions.NoScriptError:
+            self.redis.script_load(SUBMIT_LUA)
+            return self.replicated(self.submit_pipeline(self.redis, specs).execute(), specs)
 
     def results(self, jobs: Sequence[Job], timeout: float | None = 60.0, *,
                 return_exceptions: bool = False) -> list[Any]:
@@ -189,13 +208,17 @@ class Client(ClientSettings):
         return wait_results(self.blocking_redis, jobs, timeout, return_exceptions)
 
     def job(self, job_id: str, model: str = "") -> Job:
-        """A handle on a job submitted elsewhere (to stream or cancel it)."""
+        """A handle on a job submitted elsewhere (to stream or cancel it). `model` may be left
+        out for ids genq made (they name their model)."""
         return Job(self, job_id, model, created=False)
 
-    def cancel(self, job_id: str) -> None:
+    def cancel(self, job_id: str, model: str | None = None) -> None:
+        """Cancel a job (`model`: as for job()). The flag is the cancel; the shard publish
+        tells the model's workers at once."""
+        model = model or job_model(job_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(job_id), 1, ex=self.cancel_ttl)
-        pipe.publish(self.keys.cancel_channel, job_id)
+        pipe.set(self.keys.cancel(job_id, model), 1, ex=self.cancel_ttl)
+        pipe.spublish(self.keys.cancel_channel(model), job_id)
         pipe.execute()
 
     def close(self) -> None:
@@ -219,7 +242,7 @@ class Job:
         self.model = model
         self.created = created
         self.entry_id = entry_id  # the job-stream entry (its ms part is the enqueue time)
-        self.reply_key = client.keys.reply(job_id)
+        self.reply_key = client.keys.reply(job_id, model or None)
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, model={self.model!r})"
@@ -259,13 +282,14 @@ class Job:
             if reader.finished:
                 return
             if reader.may_be_expired and reply_expired(
-                    self.client.redis, self.client.keys.idem(self.id), self.reply_key):
+                    self.client.redis, self.client.keys.idem(self.id, self.model or None),
+                    self.reply_key):
                 raise ResultExpired(self.id)
             if reader.timed_out(time.monotonic()):
                 raise reader.timeout_error(self.id)
 
     def cancel(self) -> None:
-        self.client.cancel(self.id)
+        self.client.cancel(self.id, self.model or None)
 
 
 def _entries(resp: Any) -> list[Any]:

@@ -8,6 +8,10 @@ URLs:
   sentinels name for service_name, found again after a failover. The credentials in the URL are
   the data nodes'; sentinels that need their own take `?sentinel_username=...&sentinel_password=`.
   Other query parameters (ssl_ca_certs, ssl_cert_reqs, ...) apply to both.
+- `redis+cluster://[user:pass@]host:port[,host:port...]`, and `rediss+cluster://...` for TLS: a
+  Redis Cluster, found from any of the nodes named (genq's keys of one model share a slot:
+  producer/protocol.py Keys). A plain URL that reaches a cluster node fails with a message that
+  names the cluster URL (a MOVED answer says the node is one of many).
 
 Rules a failover relies on: a sentinel-managed connection that meets READONLY (the node it holds
 was demoted) drops itself and raises ConnectionError, so every caller's retry of a lost
@@ -17,12 +21,16 @@ connection asks the sentinels again and reaches the new primary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+import redis.asyncio.connection as aioconnection
 import redis.asyncio.sentinel as aiosentinel
+import redis.cluster
+import redis.connection
 import redis.sentinel
 from redis.connection import parse_url
 
@@ -30,19 +38,29 @@ from redis.connection import parse_url
 # (maxmemory, noeviction), or a replica (a failover demoted it; the name moves to the new
 # primary). (The last two are ResponseErrors: catch RETRYABLE first.)
 RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
-             redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+             redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+             # a cluster failing over, or a slot that moves under a multi-key command
+             redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+             redis.exceptions.MasterDownError)
 SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 DIRECT_SCHEMES = ("redis", "rediss", "unix")
 CONNECT_TIMEOUT = 5.0
+# (WAIT counts the replicas of the one node a connection writes to; a cluster client's writes
+# go to many)
+NO_REPLICA_WAIT_ON_CLUSTER = ("waiting for replicas (WAIT) is not supported with a "
+                              "redis+cluster:// URL: leave it 0 and set min-replicas-to-write on "
+                              "the cluster's nodes")
 _SENTINEL_ONLY = ("sentinel_username", "sentinel_password")
 
 
 @dataclass(frozen=True)
 class Target:
-    """A parsed URL: one server (`url`), or a sentinel-watched service."""
+    """A parsed URL: one server (`url`), a sentinel-watched service, or a cluster's nodes."""
 
     url: str
     sentinels: tuple[tuple[str, int], ...] = ()
+    cluster_nodes: tuple[tuple[str, int], ...] = ()
     service: str = ""
     node_kwargs: dict[str, Any] = field(default_factory=dict)
     sentinel_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -51,12 +69,17 @@ class Target:
     def is_sentinel(self) -> bool:
         return bool(self.sentinels)
 
+    @property
+    def is_cluster(self) -> bool:
+        return bool(self.cluster_nodes)
+
 
 def _usage(url: str, why: str) -> ValueError:
     scheme = url.split("://", 1)[0] if "://" in url else "?"
     return ValueError(f"bad Redis URL ({scheme}://...): {why}. Use redis://host:port/db, "
-                      "rediss://..., unix:///path.sock, or "
-                      "redis+sentinel://host:port[,host:port]/service_name[/db]")
+                      "rediss://..., unix:///path.sock, "
+                      "redis+sentinel://host:port[,host:port]/service_name[/db], or "
+                      "redis+cluster://host:port[,host:port]")
 
 
 def parse(url: str) -> Target:
@@ -66,23 +89,15 @@ def parse(url: str) -> Target:
     if scheme in DIRECT_SCHEMES:
         parse_url(url)  # raises ValueError on a malformed URL
         return Target(url=url)
-    if scheme.endswith("+cluster"):
-        raise _usage(url, "Redis Cluster is not supported yet (its keys would cross slots); "
-                          "use one primary, or Sentinel for failover")
-    if scheme not in SENTINEL_SCHEMES:
+    if scheme not in SENTINEL_SCHEMES and scheme not in CLUSTER_SCHEMES:
         raise _usage(url, f"unknown scheme {scheme!r}" if scheme else "no scheme")
     parts = urlsplit(url)
-    netloc = parts.netloc
-    userinfo, _, hostlist = netloc.rpartition("@")
-    sentinels = []
-    for hostport in hostlist.split(","):
-        host, sep, port = hostport.rpartition(":")
-        if not sep:
-            host, port = hostport, "26379"
-        host = host.strip("[]")
-        if not host or not port.isdigit():
-            raise _usage(url, f"sentinel address {hostport!r} is not host:port")
-        sentinels.append((host, int(port)))
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    is_cluster = scheme in CLUSTER_SCHEMES
+    nodes = _host_list(url, hostlist, 6379 if is_cluster else 26379)
+    if is_cluster:
+        return _cluster_target(url, CLUSTER_SCHEMES[scheme], userinfo, parts.path, parts.query,
+                               nodes)
     path = [p for p in parts.path.split("/") if p]
     if not path or len(path) > 2:
         raise _usage(url, "the path must be /service_name or /service_name/db")
@@ -102,8 +117,33 @@ def parse(url: str) -> Target:
         if base == "rediss":
             kwargs["ssl"] = True
     shared.pop("db", None)
-    return Target(url=url, sentinels=tuple(sentinels), service=unquote(path[0]),
+    return Target(url=url, sentinels=nodes, service=unquote(path[0]),
                   node_kwargs=node, sentinel_kwargs={**shared, **sentinel_auth})
+
+
+def _host_list(url: str, hostlist: str, default_port: int) -> tuple[tuple[str, int], ...]:
+    nodes = []
+    for hostport in hostlist.split(","):
+        host, sep, port = hostport.rpartition(":")
+        if not sep:
+            host, port = hostport, str(default_port)
+        host = host.strip("[]")
+        if not host or not port.isdigit():
+            raise _usage(url, f"node address {hostport!r} is not host:port")
+        nodes.append((host, int(port)))
+    return tuple(nodes)
+
+
+def _cluster_target(url: str, base: str, userinfo: str, path: str, query: str,
+                    nodes: tuple[tuple[str, int], ...]) -> Target:
+    if path.strip("/") not in ("", "0"):
+        raise _usage(url, "a cluster has only database 0: give no path")
+    kwargs = parse_url(f"{base}://{userinfo + '@' if userinfo else ''}localhost/0?{query}")
+    for key in ("host", "port", "connection_class", "db"):
+        kwargs.pop(key, None)
+    if base == "rediss":
+        kwargs["ssl"] = True
+    return Target(url=url, cluster_nodes=nodes, node_kwargs=kwargs)
 
 
 def _timeouts(socket_timeout: float) -> dict[str, Any]:
@@ -112,10 +152,18 @@ def _timeouts(socket_timeout: float) -> dict[str, Any]:
 
 def connect(url: str, *, socket_timeout: float = 5.0) -> redis.Redis:
     """A blocking-API client of the fleet's Redis (RESP2: the scripts' replies are read as
-    such). `socket_timeout` must exceed any BLOCK time the caller uses."""
+    such). `socket_timeout` must exceed any BLOCK time the caller uses. A cluster's client is a
+    RedisCluster: it routes each command by its keys' slot and has the same command methods
+    (typed as redis.Redis for the callers, which use only those)."""
     target = parse(url)
+    if target.is_cluster:
+        return cast(redis.Redis, redis.cluster.RedisCluster(
+            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.cluster_nodes],
+            protocol=2, **target.node_kwargs, **_timeouts(socket_timeout)))
     if not target.is_sentinel:
-        return redis.Redis.from_url(url, protocol=2, **_timeouts(socket_timeout))
+        return redis.Redis(connection_pool=redis.ConnectionPool.from_url(
+            url, protocol=2, **_timeouts(socket_timeout),
+            connection_class=_single_node_class(url)))
     manager = redis.sentinel.Sentinel(
         list(target.sentinels), sentinel_kwargs={**target.sentinel_kwargs,
                                                  **_timeouts(CONNECT_TIMEOUT)})
@@ -130,15 +178,23 @@ class _BlockingSentinelPool(aiosentinel.SentinelConnectionPool, aioredis.Blockin
 def connect_async(url: str, *, socket_timeout: float = 5.0,
                   max_connections: int | None = None) -> aioredis.Redis:
     """connect() for asyncio. With max_connections, at most that many connections are open and a
-    caller past the cap waits for one (the gateway's pools)."""
+    caller past the cap waits for one (the gateway's pools; on a cluster, the cap is per node
+    and a caller past it is refused)."""
     target = parse(url)
     pool: dict[str, Any] = {} if max_connections is None else {
         "max_connections": max_connections, "timeout": None}
+    if target.is_cluster:
+        per_node: dict[str, Any] = {} if max_connections is None else {
+            "max_connections": max_connections}
+        return cast(aioredis.Redis, aiocluster.RedisCluster(
+            startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in target.cluster_nodes],
+            protocol=2, **per_node, **target.node_kwargs, **_timeouts(socket_timeout)))
     if not target.is_sentinel:
-        if max_connections is None:
-            return aioredis.Redis.from_url(url, protocol=2, **_timeouts(socket_timeout))
-        return aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            url, protocol=2, **pool, **_timeouts(socket_timeout)))
+        pool_type = aioredis.ConnectionPool if max_connections is None \
+            else aioredis.BlockingConnectionPool
+        return aioredis.Redis(connection_pool=pool_type.from_url(
+            url, protocol=2, **pool, **_timeouts(socket_timeout),
+            connection_class=_single_node_class_async(url)))
     manager = aiosentinel.Sentinel(
         list(target.sentinels), sentinel_kwargs={**target.sentinel_kwargs,
                                                  **_timeouts(CONNECT_TIMEOUT)})
@@ -146,3 +202,71 @@ def connect_async(url: str, *, socket_timeout: float = 5.0,
         else _BlockingSentinelPool
     return manager.master_for(target.service, connection_pool_class=pool_class, protocol=2,
                               **pool, **target.node_kwargs, **_timeouts(socket_timeout))
+
+
+# ------------------------------------------------------------------ a plain URL at a cluster
+
+class ClusterNodeError(redis.exceptions.ResponseError):
+    """A plain redis:// URL reached one node of a Redis Cluster (it answered MOVED or ASK)."""
+
+
+def _cluster_refusal(exc: redis.exceptions.ResponseError, host: str, port: int) -> Exception:
+    if not isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+        return exc
+    answer = f"{'MOVED' if isinstance(exc, redis.exceptions.MovedError) else 'ASK'} {exc}"
+    return ClusterNodeError(
+        f"{host}:{port} is a node of a Redis Cluster (it answered {answer[:40]!r}): connect "
+        f"with redis+cluster://{host}:{port} (rediss+cluster:// for TLS) instead")
+
+
+class _SingleNode:
+    """Mixed into a connection class of a plain URL: a cluster's redirect says which URL to
+    use instead of failing as an unknown error."""
+
+    host: str
+    port: int
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.exceptions.ResponseError as exc:
+            raise _cluster_refusal(exc, self.host, self.port) from None
+
+
+class _SingleNodeAsync:
+    host: str
+    port: int
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.exceptions.ResponseError as exc:
+            raise _cluster_refusal(exc, self.host, self.port) from None
+
+
+class _TCPNode(_SingleNode, redis.connection.Connection):
+    pass
+
+
+class _TLSNode(_SingleNode, redis.connection.SSLConnection):
+    pass
+
+
+class _TCPNodeAsync(_SingleNodeAsync, aioconnection.Connection):
+    pass
+
+
+class _TLSNodeAsync(_SingleNodeAsync, aioconnection.SSLConnection):
+    pass
+
+
+def _single_node_class(url: str) -> type[redis.connection.AbstractConnection]:
+    if url.lower().startswith("unix:"):  # (a socket is never a cluster's address)
+        return redis.connection.UnixDomainSocketConnection
+    return _TLSNode if url.lower().startswith("rediss:") else _TCPNode
+
+
+def _single_node_class_async(url: str) -> type[aioconnection.AbstractConnection]:
+    if url.lower().startswith("unix:"):
+        return aioconnection.UnixDomainSocketConnection
+    return _TLSNodeAsync if url.lower().startswith("rediss:") else _TCPNodeAsync

@@ -27,7 +27,7 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def redis_url(value: str) -> str:
     """argparse type: a URL genq can connect to (producer.connection: redis://, rediss://,
-    unix://, redis+sentinel://): a usage error now, not a traceback later."""
+    unix://, redis+sentinel://, redis+cluster://): a usage error now, not a traceback later."""
     from producer.connection import parse
 
     try:

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from producer import connection
 from producer import openai_schema as oa
 from producer.client import make_job_spec
 from producer.gateway_async import ClientGone, anext_or_none, chain, watch_disconnect
@@ -52,7 +52,7 @@ from producer.gateway_limits import check_prompt_count
 from producer.limits import Limits, check_job_bytes, check_limits
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
-from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, encode_job_entry
+from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, encode_job_entry, new_job_id
 
 JOB_ID_HEADER = "Genq-Job-Id"
 RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume
@@ -100,7 +100,7 @@ class Gateway:
         self.keys = Keys(cfg.prefix)
         self.redis = GatewayRedis(cfg.redis_url, self.keys, cfg.max_connections)
         self.fleet = FleetView(self.redis.conn, self.keys)
-        self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
+        self._pending_cancels: dict[str, tuple[asyncio.TimerHandle, str]] = {}  # -> model
         self._tasks: set[asyncio.Task[None]] = set()
         # Requests reading each job now: a cut request's delayed cancel spares a job that
         # another request (a retry with the same Genq-Job-Id) reads by then.
@@ -109,18 +109,20 @@ class Gateway:
 
     async def start(self) -> None:
         """In the app's event loop, before the first request."""
-        self.hub = ReplyHub(self.cfg.redis_url)
+        if not connection.parse(self.cfg.redis_url).is_cluster:  # (on a cluster, one XREAD
+            # over many jobs' streams would cross slots: each request reads its own stream)
+            self.hub = ReplyHub(self.cfg.redis_url)
 
     async def stop(self) -> None:
         """At shutdown (after the drain): the jobs of cut streams are cancelled now, since
         their clients cannot resume on a process that is going away; then Redis is closed."""
-        due = list(self._pending_cancels)
-        for handle in self._pending_cancels.values():
+        due = [(job_id, model) for job_id, (_, model) in self._pending_cancels.items()]
+        for handle, _ in self._pending_cancels.values():
             handle.cancel()
         self._pending_cancels.clear()
         with contextlib.suppress(Exception):  # (Redis may be what is going away)
             await asyncio.wait_for(asyncio.gather(
-                *(self.redis.cancel(job_id) for job_id in due)), timeout=2.0)
+                *(self.redis.cancel(job_id, model) for job_id, model in due)), timeout=2.0)
         if self.hub is not None:
             await self.hub.close()
         await self.redis.close()
@@ -134,14 +136,14 @@ class Gateway:
         (`messages`, prompts empty) is one job; the worker applies the model's chat template.
         Without `stream` the worker writes no tokens events (the answer needs only the end)."""
         given = request.headers.get(JOB_ID_HEADER)
-        base = given or uuid.uuid4().hex
+        base = given or new_job_id(model)
         inputs: list[tuple[str | list[int] | None, list[dict[str, str]] | None]] = (
             [(None, messages)] if messages is not None else [(p, None) for p in prompts])
         ids = [base] if len(inputs) == 1 else [f"{base}-{k}" for k in range(len(inputs))]
         # A retry or a resume (the Genq-Job-Id of jobs submitted already) enqueues nothing:
         # the model's checks are for new work (a full queue, in which the job itself counts,
         # must not refuse the client its own job, nor let a cut stream's cancel fire).
-        if given is None or not await self._all_submitted(ids):
+        if given is None or not await self._all_submitted(ids, model):
             per_job = max(int(params.get("n") or 1), int(params.get("best_of") or 1))
             await self.fleet.require_model(model, self.cfg.max_queue_depth,
                                            len(inputs) * per_job)
@@ -164,31 +166,31 @@ class Gateway:
             await self.redis.submit(spec, payload)
         return ids
 
-    async def _all_submitted(self, job_ids: list[str]) -> bool:
+    async def _all_submitted(self, job_ids: list[str], model: str) -> bool:
         try:
-            keys = [self.keys.idem(job_id) for job_id in job_ids]
+            keys = [self.keys.idem(job_id, model) for job_id in job_ids]
         except ProtocolError as exc:
             raise GatewayError(400, f"{JOB_ID_HEADER}: {exc.message}", code=exc.code) from None
         return int(await self.redis.conn.exists(*keys)) == len(keys)
 
     def _keep(self, job_id: str) -> None:
         """A request for a job that is due to be cancelled (its stream was cut) keeps it."""
-        handle = self._pending_cancels.pop(job_id, None)
-        if handle is not None:
-            handle.cancel()
+        pending = self._pending_cancels.pop(job_id, None)
+        if pending is not None:
+            pending[0].cancel()
 
-    def cancel_later(self, job_ids: list[str]) -> None:
+    def cancel_later(self, job_ids: list[str], model: str) -> None:
         loop = asyncio.get_running_loop()
         for job_id in job_ids:
             self._keep(job_id)
-            self._pending_cancels[job_id] = loop.call_later(
-                self.cfg.resume_grace_s, self._cancel_now, job_id)
+            self._pending_cancels[job_id] = (loop.call_later(
+                self.cfg.resume_grace_s, self._cancel_now, job_id, model), model)
 
-    def _cancel_now(self, job_id: str) -> None:
+    def _cancel_now(self, job_id: str, model: str) -> None:
         self._pending_cancels.pop(job_id, None)
         if self._readers.get(job_id):
             return  # a retry reads it: it stays wanted
-        task = asyncio.get_running_loop().create_task(self.redis.cancel(job_id))
+        task = asyncio.get_running_loop().create_task(self.redis.cancel(job_id, model))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -205,10 +207,10 @@ class Gateway:
                 if left:
                     self._readers[job_id] = left
 
-    def reader(self, job_id: str, after: str | None = None) -> JobReader:
+    def reader(self, job_id: str, model: str, after: str | None = None) -> JobReader:
         conn = self.redis.blocking_conn if self.hub is None else self.redis.conn
-        return JobReader(conn, self.keys.reply(job_id), job_id, after, self.cfg.timeout_s + 30,
-                         self.keys.idem(job_id), self.hub)
+        return JobReader(conn, self.keys.reply(job_id, model), job_id, after,
+                         self.cfg.timeout_s + 30, self.keys.idem(job_id, model), self.hub)
 
     # ------------------------------------------------------------------ answers
 
@@ -232,12 +234,12 @@ class Gateway:
         try:
             with self._reading(ids):
                 results = await watch_disconnect(request, asyncio.gather(
-                    *(self.reader(job_id).result() for job_id in ids)))
+                    *(self.reader(job_id, req.model).result() for job_id in ids)))
         except ClientGone:
-            self.cancel_later(ids)
+            self.cancel_later(ids, req.model)
             return Response(status_code=499)
         except GatewayError:  # one job failed or timed out: the others' work is wasted
-            await asyncio.gather(*(self.redis.cancel(job_id) for job_id in ids))
+            await asyncio.gather(*(self.redis.cancel(job_id, req.model) for job_id in ids))
             raise
         shaper = Choices(req, chat, prefix + headers[JOB_ID_HEADER], int(time.time()), prompts)
         choices: list[dict[str, Any]] = []
@@ -254,14 +256,14 @@ class Gateway:
                       req: oa.CompletionRequest | oa.ChatCompletionRequest, job_id: str,
                       response_id: str, chat: bool, headers: dict[str, str],
                       prompts: list[str | list[int]], resume_after: str | None) -> Response:
-        reader = self.reader(job_id, after=resume_after)
+        reader = self.reader(job_id, req.model, after=resume_after)
         events = reader.events()
         try:  # the first event decides the status: a job the worker rejects is a 4xx/5xx
             with self._reading([job_id]):  # (the body reads on under its own)
                 first = await watch_disconnect(request, anext_or_none(events))
         except ClientGone:
             await events.aclose()
-            self.cancel_later([job_id])
+            self.cancel_later([job_id], req.model)
             return Response(status_code=499)
         if first is not None and first[1]["type"] == "error":
             await events.aclose()
@@ -299,7 +301,7 @@ class Gateway:
                 if not finished:  # the client went away (or we failed): stop the job
                     with anyio.CancelScope(shield=True):
                         await events.aclose()
-                    self.cancel_later([job_id])
+                    self.cancel_later([job_id], req.model)
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache"})

@@ -32,9 +32,9 @@ from producer.protocol import (
     JobSpec,
     Keys,
     ProtocolError,
-    decode_heartbeat,
     waiting_entries,
 )
+from producer.registry import heartbeats_async
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, entry_key
 from producer.results import reply_expired_async
 
@@ -69,14 +69,14 @@ class GatewayRedis:
         """Enqueue a checked job once per id (Client.submit's recipe); False: the id existed.
         `payload`: the job encoded (encode_job_entry's "job")."""
         entry_id = await self._submit_script(
-            keys=[self.keys.idem(spec.id), self.keys.jobs(spec.model)],
+            keys=[self.keys.idem(spec.id, spec.model), self.keys.jobs(spec.model)],
             args=[DEFAULT_IDEMPOTENCY_TTL, PROTOCOL_VERSION, payload, DEFAULT_STREAM_TTL])
         return entry_id is not None
 
-    async def cancel(self, job_id: str) -> None:
+    async def cancel(self, job_id: str, model: str) -> None:
         pipe = self.conn.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(job_id), 1, ex=DEFAULT_CANCEL_TTL)
-        pipe.publish(self.keys.cancel_channel, job_id)
+        pipe.set(self.keys.cancel(job_id, model), 1, ex=DEFAULT_CANCEL_TTL)
+        pipe.spublish(self.keys.cancel_channel(model), job_id)
         await pipe.execute()
 
     async def close(self) -> None:
@@ -98,19 +98,10 @@ class FleetView:
         """{served model name: number of live workers}."""
         if not fresh and time.monotonic() - self._models_at < self.cache_s:
             return self._models
-        names = [k async for k in self.conn.scan_iter(match=f"{self.keys.worker_prefix}*",
-                                                      count=1000)]
-        values = await self.conn.mget(names) if names else []
+        values = await heartbeats_async(self.conn, self.keys)
         models: dict[str, int] = {}
-        for value in values:
-            if not isinstance(value, bytes):
-                continue
-            try:
-                model = decode_heartbeat(value).get("model")
-            except ProtocolError:
-                continue
-            if isinstance(model, str):
-                models[model] = models.get(model, 0) + 1
+        for model, _name, _info in values:
+            models[model] = models.get(model, 0) + 1
         self._models, self._models_at = models, time.monotonic()
         return models
 

@@ -4,14 +4,18 @@ Everything that crosses Redis is MessagePack (never pickle) and is decoded stric
 field, a wrong type, a missing field, an oversized payload or an id outside [A-Za-z0-9_.:-] is a
 `ProtocolError` with a code and a message a person can act on, never a crash.
 
-Keys (prefix configurable, default "genq"):
-    <p>:jobs:<model>    stream of job entries, consumer group "workers"; fields v, job [, a]
-    <p>:dead:<model>    dead-letter stream: fields reason, code, entry, worker [, job]
-    <p>:reply:<id>      reply stream of one job; field e = one event
-    <p>:cancel:<id>     cancel flag (with TTL) + a publish of <id> on <p>:cancel
-    <p>:worker:<name>   heartbeat of one worker (value: msgpack map, short TTL)
-    <p>:idem:<id>       idempotency key set by submit (a job id runs once): "1", then "ended"
-                        from the job's terminal event on (its TTL kept; producer.results)
+Keys (prefix configurable, default "genq"; {m} is the hash tag of the job's model, so a model's
+keys share one Redis Cluster slot):
+    <p>:jobs:{m}            stream of job entries, consumer group "workers"; fields v, job [, a]
+    <p>:dead:{m}            dead-letter stream: fields reason, code, entry, worker [, job]
+    <p>:reply:{m}:<id>      reply stream of one job; field e = one event
+    <p>:cancel:{m}:<id>     cancel flag (with TTL) + an SPUBLISH of <id> on channel <p>:cancel:{m}
+    <p>:idem:{m}:<id>       idempotency key set by submit (a job id runs once): "1", then "ended"
+                            from the job's terminal event on (its TTL kept; producer.results)
+    <p>:worker:{m}:<name>   heartbeat of one worker (value: msgpack map, short TTL)
+    <p>:worker:{m}          set of the names of the model's workers (the registry)
+    <p>:worker:models       set of the served models
+    <p>:fence:{m}:<name>    a worker's fence counter (worker/scripts.py)
 
 Job entry field `a` (optional) is the number of attempts that ran before this entry was (re-)added,
 so attempt numbers keep increasing when a draining worker hands a job back.
@@ -20,6 +24,7 @@ so attempt numbers keep increasing when a draining worker hands a job back.
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +43,7 @@ from producer.wire_types import list_of as _list_of
 from producer.wire_types import opt as _opt
 from producer.wire_types import pack as _pack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DEFAULT_PREFIX = "genq"
 CONSUMER_GROUP = "workers"
 REPLY_FIELD = "e"
@@ -58,48 +63,105 @@ def validate_name(value: object, what: str = "job id") -> str:
     return value
 
 
+# Ids genq makes: "<model>.<32 hex digits>", and "-<k>" after it for the k-th job of one gateway
+# request. The model in the id is what finds its keys' slot from the id alone.
+_MADE_ID_RE = re.compile(r"(?P<model>[A-Za-z0-9_.:-]+)\.[0-9a-f]{32}(?:-[0-9]+)?")
+_MADE_ID_TAIL = 1 + 32 + 8  # ".<hex>" and room for "-<k>"
+
+
+def new_job_id(model: str) -> str:
+    """A fresh job id that names its model, so `Client.job(id)` and `cancel(id)` find its keys
+    without being told the model. A model name too long to fit gets a bare id (its jobs are
+    found with model=...)."""
+    hex_part = uuid.uuid4().hex
+    if len(model) + _MADE_ID_TAIL > MAX_NAME_LEN:
+        return hex_part
+    return f"{validate_name(model, 'model name')}.{hex_part}"
+
+
+def job_model(job_id: str) -> str:
+    """The model a job id names (new_job_id); ValueError when it names none."""
+    made = _MADE_ID_RE.fullmatch(job_id)
+    if made is None:
+        raise ValueError(f"job id {job_id[:MAX_NAME_LEN]!r} does not name its model (ids genq "
+                         "makes do: <model>.<hex>); pass model=... to find its job")
+    return made["model"]
+
+
 @dataclass(frozen=True)
 class Keys:
-    """Every Redis key and channel genq uses, built from validated names only."""
+    """Every Redis key and channel genq uses, built from validated names only.
+
+    Each key of a queue carries the hash tag of its model, `{<model>}`: a job's stream, its
+    dead letters, its workers' heartbeats and fence counters, and the reply, cancel and idem
+    keys of every job sent to it live in one Redis Cluster slot, so every script and every
+    multi-key command touches one slot. The kind comes first (`genq:reply:{tiny}:<id>`), so an
+    ACL pattern per kind (`~genq:reply:*`) still covers all models.
+
+    A job's keys need its model: the one a call names, else `model` (a worker's keys: the
+    model it serves), else the one its id names (ids genq makes name it: `new_job_id`)."""
 
     prefix: str = DEFAULT_PREFIX
+    model: str | None = None
 
     def __post_init__(self) -> None:
         validate_name(self.prefix, "key prefix")
+        if self.model is not None:
+            validate_name(self.model, "model name")
 
     @property
     def group(self) -> str:
         return CONSUMER_GROUP
 
     @property
-    def cancel_channel(self) -> str:
-        return f"{self.prefix}:cancel"
+    def models(self) -> str:
+        """The set of model names workers serve(d): what `genq status` and the gateway look
+        through instead of a SCAN (which sees one node of a cluster). Under worker: so the
+        workers' ACL key pattern covers it."""
+        return f"{self.prefix}:worker:models"
 
-    @property
-    def worker_prefix(self) -> str:
-        return f"{self.prefix}:worker:"
-
-    @property
-    def jobs_prefix(self) -> str:
-        return f"{self.prefix}:jobs:"
+    def _queue(self, kind: str, model: str) -> str:
+        return f"{self.prefix}:{kind}:{{{validate_name(model, 'model name')}}}"
 
     def jobs(self, model: str) -> str:
-        return f"{self.prefix}:jobs:{validate_name(model, 'model name')}"
+        return self._queue("jobs", model)
 
     def dead(self, model: str) -> str:
-        return f"{self.prefix}:dead:{validate_name(model, 'model name')}"
+        return self._queue("dead", model)
 
-    def reply(self, job_id: str) -> str:
-        return f"{self.prefix}:reply:{validate_name(job_id)}"
+    def workers(self, model: str) -> str:
+        """The set of worker names that served `model` (each beat adds its own; reclaim drops
+        the gone ones): the per-model registry. A name's heartbeat is `worker(model, name)`."""
+        return self._queue("worker", model)
 
-    def cancel(self, job_id: str) -> str:
-        return f"{self.prefix}:cancel:{validate_name(job_id)}"
+    def worker(self, model: str, name: str) -> str:
+        return f"{self.workers(model)}:{validate_name(name, 'worker name')}"
 
-    def idem(self, job_id: str) -> str:
-        return f"{self.prefix}:idem:{validate_name(job_id)}"
+    def fence_prefix(self, model: str) -> str:
+        """Followed by a worker name: a counter bumped whenever pending entries of `model`'s
+        stream are claimed from that worker (worker/scripts.py)."""
+        return self._queue("fence", model) + ":"
 
-    def worker(self, name: str) -> str:
-        return f"{self.prefix}:worker:{validate_name(name, 'worker name')}"
+    def fence(self, model: str, name: str) -> str:
+        return self.fence_prefix(model) + validate_name(name, "worker name")
+
+    def cancel_channel(self, model: str) -> str:
+        """The shard channel (SPUBLISH) on which cancels of `model`'s jobs are announced: it
+        lives on the node of the model's slot."""
+        return self._queue("cancel", model)
+
+    def reply(self, job_id: str, model: str | None = None) -> str:
+        return self._job("reply", job_id, model)
+
+    def cancel(self, job_id: str, model: str | None = None) -> str:
+        return self._job("cancel", job_id, model)
+
+    def idem(self, job_id: str, model: str | None = None) -> str:
+        return self._job("idem", job_id, model)
+
+    def _job(self, kind: str, job_id: str, model: str | None) -> str:
+        validate_name(job_id)
+        return f"{self._queue(kind, model or self.model or job_model(job_id))}:{job_id}"
 
     @property
     def batches(self) -> str:
@@ -120,14 +182,6 @@ class Keys:
 
     def file(self, file_id: str) -> str:
         return f"{self.prefix}:file:{validate_name(file_id, 'file id')}"
-
-    def fence_prefix(self, model: str) -> str:
-        """Followed by a worker name: a counter bumped whenever pending entries of `model`'s
-        stream are claimed from that worker (worker/scripts.py)."""
-        return f"{self.prefix}:fence:{validate_name(model, 'model name')}:"
-
-    def fence(self, model: str, name: str) -> str:
-        return self.fence_prefix(model) + validate_name(name, "worker name")
 
 
 # --------------------------------------------------------------------------- queues

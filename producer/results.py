@@ -24,6 +24,11 @@ interval, not one per token, so waiting costs a bounded share of a core however 
 come; as jobs end the interval shrinks, so the last ones are seen within a few ms of their ends
 (results come back when all have ended, so only the last ones' matter).
 
+Every multi-key call names keys of one slot only (`_slot_chunks`: a cluster refuses one that
+crosses slots): the streams are grouped by slot first (a job's keys carry its model's hash tag,
+so on one server as on a cluster, jobs of one model are one group) and each group is read in
+chunks of 512.
+
 A Redis user that may not run the script (an ACL without the selector docs/security.md gives
 it, which grants EVALSHA and XREVRANGE on reply streams) waits on XREAD alone, paced the same
 way: every new entry is sent, but only each stream's newest one is decoded. The refusal is
@@ -35,11 +40,12 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import redis
+from redis.crc import key_slot
 
 from producer.errors import JobError, ProtocolError, ResultExpired
 from producer.events import EVENT_TYPES, TERMINAL_EVENT_TYPES, TerminalEvent, decode_event
@@ -204,6 +210,7 @@ class _Wait:
                 raise ValueError(f"job {job.id} is given twice")
             self.waiting[job.reply_key] = i
         self.seen = dict.fromkeys(self.waiting, "0-0")  # reply key -> id of the entry seen last
+        self.slots = {key: key_slot(key.encode()) for key in self.waiting}  # (once, not a pass)
         self.script = conn.register_script(LAST_ENTRIES_LUA)
 
     def one_pass(self) -> int:
@@ -219,9 +226,9 @@ class _Wait:
         return self._pass_new_entries()
 
     def until_news(self, block_ms: int) -> None:
-        """Returns when one of the oldest 512 unfinished streams has an entry after the one seen
-        (at once if one has), or after block_ms."""
-        oldest = list(self.waiting)[:_STREAMS_PER_READ]
+        """Returns when one of the oldest 512 unfinished streams of the oldest one's slot has an
+        entry after the one seen (at once if one has), or after block_ms."""
+        oldest = _slot_chunks(self.waiting, self.slots)[0]
         self.conn.xread({k: self.seen[k] for k in oldest}, count=1, block=block_ms)
 
     def expired_pass(self) -> None:
@@ -229,11 +236,11 @@ class _Wait:
         (reply_expired, for many: one MGET of marks per 512, then EXISTS for the marked) end
         with ResultExpired."""
         never = [k for k in self.waiting if self.seen[k] == "0-0"]
-        for lo in range(0, len(never), _STREAMS_PER_READ):
-            chunk = never[lo:lo + _STREAMS_PER_READ]
+        for chunk in _slot_chunks(never, self.slots):
             jobs = [self.jobs[self.waiting[k]] for k in chunk]
-            try:
-                marks = self.conn.mget([job.client.keys.idem(job.id) for job in jobs])
+            try:  # (a job's idem key shares its reply key's slot)
+                marks = self.conn.mget([job.client.keys.idem(job.id, job.model or None)
+                                        for job in jobs])
             except redis.ResponseError:
                 return  # no GET on idem keys for this user: wait as before
             marked = [k for k, mark in zip(chunk, marks, strict=True) if mark == ENDED_MARK]
@@ -251,9 +258,7 @@ class _Wait:
 
     def _pass_last_entries(self) -> int:
         changed = 0
-        keys = list(self.waiting)
-        for lo in range(0, len(keys), _STREAMS_PER_READ):
-            chunk = keys[lo:lo + _STREAMS_PER_READ]
+        for chunk in _slot_chunks(self.waiting, self.slots):
             reply: Any = self.script(keys=chunk, args=[REPLY_FIELD, *map(self.seen.__getitem__,
                                                                           chunk)])
             changed += len(reply) // 3
@@ -265,9 +270,7 @@ class _Wait:
         """The same with XREAD alone: every entry after the one seen is sent, up to 512 a stream;
         only the newest of them is decoded (the terminal event is the last one)."""
         changed = 0
-        keys = list(self.waiting)
-        for lo in range(0, len(keys), _STREAMS_PER_READ):
-            chunk = keys[lo:lo + _STREAMS_PER_READ]
+        for chunk in _slot_chunks(self.waiting, self.slots):
             resp: Any = self.conn.xread({k: self.seen[k] for k in chunk},
                                         count=_ENTRIES_PER_READ)
             for raw_key, entries in resp or []:
@@ -298,6 +301,16 @@ class _Wait:
         except JobError as exc:
             self.out[index] = exc
         self.ended.append(index)
+
+
+def _slot_chunks(keys: Iterable[str], slots: dict[str, int]) -> list[list[str]]:
+    """`keys` grouped by cluster slot (`slots`: key -> slot; the groups in the order of their
+    first key, each in the keys' order) and cut into chunks of at most _STREAMS_PER_READ."""
+    groups: dict[int, list[str]] = {}
+    for key in keys:
+        groups.setdefault(slots[key], []).append(key)
+    return [group[lo:lo + _STREAMS_PER_READ] for group in groups.values()
+            for lo in range(0, len(group), _STREAMS_PER_READ)]
 
 
 def _refused(exc: redis.ResponseError) -> bool:

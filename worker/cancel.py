@@ -1,4 +1,6 @@
-"""The cancel listener: job ids published on <prefix>:cancel, handed to the loop via a queue.
+"""The cancel listener: job ids published on the model's shard channel <prefix>:cancel:{<model>}
+(SPUBLISH: on a cluster it reaches the node of the model's slot, not every node), handed to the
+loop via a queue.
 
 Pub/sub can miss a message (a reconnect); the loop also sweeps the cancel keys of its running
 jobs every cancel_poll_interval, so a cancel is never lost, only sometimes a little later.
@@ -36,11 +38,13 @@ class CancelListener(threading.Thread):
             conn = connect(self.url, socket_timeout=10)
             try:
                 pubsub = conn.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(self.channel)
+                pubsub.ssubscribe(self.channel)
+                # (a cluster's pub/sub reads shard channels apart from the others)
+                next_message = getattr(pubsub, "get_sharded_message", pubsub.get_message)
                 backoff = 0.05
                 while not self._halt.is_set():
-                    message = pubsub.get_message(timeout=0.5)
-                    if message and message["type"] == "message":
+                    message = next_message(timeout=0.5)
+                    if message and message["type"] == "smessage":
                         data = message["data"]
                         self.cancelled.put(data.decode(errors="replace")
                                            if isinstance(data, bytes) else str(data))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from producer.connection import NO_REPLICA_WAIT_ON_CLUSTER, parse
 from producer.limits import Limits
 from producer.protocol import DEFAULT_PREFIX, validate_name
 
@@ -56,6 +57,8 @@ class WorkerConfig:
             raise ValueError(f"--writer must be 'thread' or 'process', got {self.writer!r}")
         if self.min_replicas < 0:
             raise ValueError(f"--min-replicas must be >= 0, got {self.min_replicas}")
+        if self.min_replicas and parse(self.redis_url).is_cluster:
+            raise ValueError(f"--min-replicas: {NO_REPLICA_WAIT_ON_CLUSTER}")
         if self.block_ms < 1:
             raise ValueError(f"block_ms must be at least 1, got {self.block_ms}")
 

@@ -1,8 +1,10 @@
-"""The heartbeat thread: keeps <prefix>:worker:<name> alive while this process lives.
+"""The heartbeat thread: keeps <prefix>:worker:{<model>}:<name> alive while this process lives.
 
 It runs in its own thread so a long engine step never starves it; if the process dies or is
 paused, the key expires after heartbeat_ttl and other workers may reclaim this worker's jobs.
-It also refreshes the TTL of the job stream it serves, so that stream lives while workers do.
+It also refreshes the TTL of the job stream it serves, so that stream lives while workers do, and
+keeps the worker in the registry (its name in the model's set, the model in the set of models):
+`genq status` and the gateway find workers there, not by a SCAN that would see one cluster node.
 """
 
 from __future__ import annotations
@@ -13,20 +15,36 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from producer.connection import RETRYABLE
-from producer.protocol import ProtocolError, decode_heartbeat, encode_heartbeat
+from producer.protocol import Keys, ProtocolError, decode_heartbeat, encode_heartbeat
 
 log = logging.getLogger("genq.worker")
+
+
+@dataclass(frozen=True)
+class Registry:
+    """Where a worker is listed: its name in `workers` (the model's set), `model` in `models`."""
+
+    workers: str
+    name: str
+    models: str
+    model: str
+
+    @staticmethod
+    def of(keys: Keys, model: str, name: str) -> Registry:
+        return Registry(keys.workers(model), name, keys.models, model)
 
 
 class Heartbeat(threading.Thread):
     def __init__(self, conn: redis.Redis, key: str, ttl: float, interval: float,
                  info: Callable[[], dict[str, Any]], jobs_key: str, stream_ttl: int,
-                 sample: Callable[[redis.Redis], None] | None = None) -> None:
+                 sample: Callable[[redis.Redis], None] | None = None,
+                 registry: Registry | None = None) -> None:
         super().__init__(name="genq-heartbeat", daemon=True)
         self.conn = conn
         self.key = key
@@ -36,6 +54,7 @@ class Heartbeat(threading.Thread):
         self.jobs_key = jobs_key
         self.stream_ttl = stream_ttl
         self.sample = sample  # e.g. metrics: queue lag, sampled after each beat
+        self.registry = registry
         self._halt = threading.Event()
 
     def beat(self) -> None:
@@ -43,6 +62,11 @@ class Heartbeat(threading.Thread):
         pipe = self.conn.pipeline(transaction=False)
         pipe.set(self.key, value, px=self.ttl_ms)
         pipe.expire(self.jobs_key, self.stream_ttl)
+        if self.registry is not None:  # (the sets live as long as the streams they list)
+            pipe.sadd(self.registry.workers, self.registry.name)
+            pipe.expire(self.registry.workers, self.stream_ttl)
+            pipe.sadd(self.registry.models, self.registry.model)
+            pipe.expire(self.registry.models, self.stream_ttl)
         pipe.execute()
 
     def run(self) -> None:
@@ -64,6 +88,8 @@ class Heartbeat(threading.Thread):
         if delete:
             try:
                 self.conn.delete(self.key)
+                if self.registry is not None:
+                    self.conn.srem(self.registry.workers, self.registry.name)
             except RETRYABLE:  # (READONLY: a failover demoted our node; the key expires)
                 pass
 

@@ -148,7 +148,9 @@ class Writer(threading.Thread):
                 hint = " (Redis is out of memory: raise its maxmemory or free some)" \
                     if isinstance(exc, redis.exceptions.OutOfMemoryError) else ""
                 log.warning("redis write failed (%s)%s; retrying in %.2f s", exc, hint, backoff)
-            except redis.ResponseError as exc:  # e.g. NOGROUP after Redis lost its data
+            except (redis.ResponseError, redis.exceptions.RedisClusterException) as exc:
+                # (refused for good: NOGROUP after Redis lost its data, an ACL, a cluster's
+                # CROSSSLOT, found by redis-py before it sends)
                 if isinstance(exc, redis.exceptions.NoPermissionError) and self.mark_ended \
                         and batch.finishes:
                     # A worker user whose ACL predates the ended marks (no ~genq:idem:*):
@@ -159,16 +161,59 @@ class Writer(threading.Thread):
                                 "result from a queued job; add ~genq:idem:* to its ACL "
                                 "(docs/security.md)", exc)
                     continue
-                log.error("redis refused a write (%s); dropping it", exc)
-                for fin in batch.finishes:
-                    if fin.reply_key is not None:
-                        self._ttl_set_at.pop(fin.reply_key, None)
-                    self.finished.put(fin.entry_id)
+                if "NOGROUP" in str(exc) or not self._refused(batch, exc):
+                    log.error("redis refused a write (%s); dropping it", exc)
+                    for fin in batch.finishes:
+                        if fin.reply_key is not None:
+                            self._ttl_set_at.pop(fin.reply_key, None)
+                        self.finished.put(fin.entry_id)
                 return
             if self._abandoned:
                 return
             time.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+
+    def _refused(self, batch: Batch, exc: Exception) -> bool:
+        """A write Redis refuses for good. Written again attempt by attempt, so that one job's
+        refusal is not the others'. An attempt refused on its own counts as failed
+        (FAIL_ATTEMPTS_LUA: a delivery more) and goes back to the loop as lost, which adopts it
+        again as its next attempt: past --max-attempts it ends in the dead letters. A
+        dead-letter finish refused on its own is written again as the dead letter and the ack
+        alone (its reply key may be what Redis refuses). False: nothing left to try (a bare
+        dead letter refused): the caller drops the write."""
+        attempts: dict[tuple[str, int], Batch] = {}
+        for w in batch.events:
+            attempts.setdefault((w.entry_id, w.deliveries), Batch()).events.append(w)
+        for fin in batch.finishes:
+            attempts.setdefault((fin.entry_id, fin.deliveries), Batch()).finishes.append(fin)
+        if len(attempts) > 1:
+            for one in attempts.values():
+                self._write_until_done(one)
+            return True
+        [(entry_id, deliveries)] = attempts
+        dead = [fin for fin in batch.finishes if fin.dead_fields]
+        if dead and all(fin.reply_key is None for fin in dead):
+            return False
+        if dead:
+            log.error("redis refused the dead-lettering of entry %s (%s); writing the dead letter "
+                      "alone", entry_id, exc)
+            self._write_until_done(Batch(finishes=[
+                fin._replace(reply_key=None, event=None, idem_key=None) for fin in dead]))
+            return True
+        log.error("redis refused the writes of entry %s (%s): its delivery %d counts as a failed "
+                  "attempt", entry_id, exc, deliveries)
+        try:
+            self.scripts.fail_attempts(keys=[self.jobs_key],
+                                       args=[self.group, self.me, entry_id, deliveries])
+        except (*RETRYABLE, redis.ResponseError) as again:  # (its next write is fenced out)
+            log.error("entry %s: counting its failed attempt failed too (%s)", entry_id, again)
+        self._mark_gone(entry_id, deliveries, time.monotonic())
+        for fin in batch.finishes:
+            if fin.reply_key is not None:
+                self._ttl_set_at.pop(fin.reply_key, None)
+            self.finished.put(fin.entry_id)
+        self.lost.put((entry_id, deliveries))
+        return True
 
     def _write(self, batch: Batch) -> None:
         try:

@@ -28,7 +28,7 @@ from worker.admission import Admission, Admitted, Rejection, free_capacity
 from worker.batch import Batch, EventWrite
 from worker.cancel import CancelListener, Cancels
 from worker.config import WorkerConfig
-from worker.heartbeat import Heartbeat, name_in_use
+from worker.heartbeat import Heartbeat, Registry, name_in_use
 from worker.held import Held
 from worker.io_thread import Writer
 from worker.jobs import ActiveJob
@@ -52,7 +52,7 @@ class Worker:
                              "with EngineConfig(output_kind='delta')")
         self.engine = engine
         self.cfg = cfg
-        self.keys = Keys(cfg.prefix)
+        self.keys = Keys(cfg.prefix, cfg.served_model_name)  # (the jobs' keys: this model's)
         self.me = cfg.name
         self.jobs_key = self.keys.jobs(cfg.served_model_name)
         self.conn = connect(cfg.redis_url, socket_timeout=10)
@@ -72,11 +72,13 @@ class Worker:
                                      self.keys.group)
         self.metrics.read_stats_from(lambda: (self._stats, len(self.held)))
         self.metrics_server = metrics_server  # bound already (genq worker), or bound in run()
-        self.heartbeat = Heartbeat(self.conn, self.keys.worker(self.me), cfg.heartbeat_ttl,
-                                   cfg.heartbeat_interval, self._heartbeat_info, self.jobs_key,
-                                   cfg.stream_ttl,
-                                   sample=self.metrics.sample if cfg.metrics_port else None)
-        self.cancel_listener = CancelListener(cfg.redis_url, self.keys.cancel_channel)
+        self.heartbeat = Heartbeat(self.conn, self.keys.worker(cfg.served_model_name, self.me),
+                                   cfg.heartbeat_ttl, cfg.heartbeat_interval,
+                                   self._heartbeat_info, self.jobs_key, cfg.stream_ttl,
+                                   sample=self.metrics.sample if cfg.metrics_port else None,
+                                   registry=Registry.of(self.keys, cfg.served_model_name, self.me))
+        self.cancel_listener = CancelListener(cfg.redis_url,
+                                              self.keys.cancel_channel(cfg.served_model_name))
         self.cancels = Cancels(self.cancel_listener, self.conn, self.keys,
                                cfg.cancel_poll_interval)
         self.stop_requested = threading.Event()
@@ -98,7 +100,8 @@ class Worker:
         if not self.reader.ensure_group(wait=True, stop=self.stop_requested):
             log.info("worker %s stopped before Redis answered; it held no jobs", self.me)
             return 0
-        clash = name_in_use(self.conn, self.keys.worker(self.me), self.me)
+        clash = name_in_use(self.conn, self.keys.worker(self.cfg.served_model_name, self.me),
+                            self.me)
         if clash:
             log.critical("%s", clash)
             return EXIT_NAME_IN_USE

@@ -18,7 +18,7 @@ import redis
 from producer.connection import RETRYABLE, connect
 from producer.protocol import Keys, as_str
 from worker.config import WorkerConfig
-from worker.scripts import FENCE_TTL_S, Scripts
+from worker.scripts import Scripts, reclaim_call
 
 log = logging.getLogger("genq.worker")
 Entry = tuple[str, dict[bytes, bytes], int]  # entry id, fields, deliveries (fencing token)
@@ -119,11 +119,11 @@ class JobReader:
         if count <= 0:
             return []
         try:
-            claimed = self.scripts.reclaim(
-                keys=[self.jobs_key],
-                args=[self.keys.group, self.me, self.keys.worker_prefix, count,
-                      "1" if include_self else "0",
-                      self.keys.fence_prefix(self.cfg.served_model_name), FENCE_TTL_S])
+            consumers = [as_str(c["name"]) for c in
+                         self.conn.xinfo_consumers(self.jobs_key, self.keys.group)]
+            keys, args = reclaim_call(self.keys, self.cfg.served_model_name, self.me, consumers,
+                                      count, include_self)
+            claimed = self.scripts.reclaim(keys=keys, args=args)
         except RETRYABLE as exc:
             log.warning("reclaim failed: %s", exc)
             return []

@@ -12,6 +12,8 @@ from typing import Any
 
 import redis
 
+from producer.protocol import Keys, ProtocolError, validate_name
+
 # A fence counter outlives any attempt it guards (it is bumped at every claim from its worker).
 FENCE_TTL_S = 7 * 24 * 3600
 DEAD_LETTER_MAXLEN = 10_000  # per model (FINISH_LUA)
@@ -173,30 +175,39 @@ return done
 # Heartbeat-gated reclaim: claim up to `count` pending entries of consumers whose heartbeat key
 # is gone (and, when include_self is 1, this worker's own entries: a restart under the same name
 # re-reads them). A live worker is never robbed, however long its generation. Consumers that are
-# gone and own nothing are deleted from the group.
+# gone and own nothing are deleted from the group and from the model's worker registry.
 # Each consumer something was claimed from gets its fence counter bumped (WRITE_EVENTS_LUA).
-# KEYS: jobs stream. ARGV: group, me, heartbeat key prefix, count, include_self, fence counter
-# key prefix, fence counter ttl.
+# Every key it touches is declared (a cluster routes by them, and refuses undeclared ones): the
+# caller names the consumers it saw (XINFO CONSUMERS) with their heartbeat and fence keys, all in
+# the stream's slot; a consumer that appears between that look and this call waits for the next.
+# KEYS: jobs stream, worker registry set, then per named consumer: heartbeat key, fence key.
+# ARGV: group, me, count, include_self, fence counter ttl, consumer name 1..c.
 # Returns {entry id, fields, deliveries} per claimed entry.
 RECLAIM_LUA = """
-local group, me, hb_prefix = ARGV[1], ARGV[2], ARGV[3]
-local budget = tonumber(ARGV[4])
+local group, me = ARGV[1], ARGV[2]
+local budget = tonumber(ARGV[3])
 local claimed = {}
 if budget <= 0 then return claimed end
-local consumers = redis.call('XINFO', 'CONSUMERS', KEYS[1], group)
-for _, c in ipairs(consumers) do
+local pending_of = {}
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], group)) do
   local name, pending = nil, 0
   for i = 1, #c, 2 do
     if c[i] == 'name' then name = c[i + 1] elseif c[i] == 'pending' then pending = c[i + 1] end
   end
+  pending_of[name] = pending
+end
+for k = 6, #ARGV do
+  local name = ARGV[k]
+  local heartbeat, fence = KEYS[2 * (k - 5) + 1], KEYS[2 * (k - 5) + 2]
+  local pending = pending_of[name]
   local mine = name == me
-  local gone = (mine and ARGV[5] == '1') or
-               (not mine and redis.call('EXISTS', hb_prefix .. name) == 0)
+  local gone = pending ~= nil and ((mine and ARGV[4] == '1') or
+                                   (not mine and redis.call('EXISTS', heartbeat) == 0))
   if gone and pending > 0 then
     local entries = redis.call('XPENDING', KEYS[1], group, '-', '+', budget, name)
     if #entries > 0 then  -- before the claims: the loop below may return early
-      redis.call('INCR', ARGV[6] .. name)
-      redis.call('EXPIRE', ARGV[6] .. name, ARGV[7])
+      redis.call('INCR', fence)
+      redis.call('EXPIRE', fence, ARGV[5])
     end
     for _, e in ipairs(entries) do
       local got = redis.call('XCLAIM', KEYS[1], group, me, 0, e[1])
@@ -208,10 +219,51 @@ for _, c in ipairs(consumers) do
     end
   elseif gone and pending == 0 and not mine then
     redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group, name)
+    redis.call('SREM', KEYS[2], name)
   end
 end
 return claimed
 """
+
+# An attempt whose write Redis refused for good (worker/io_thread.py) counts as failed: while this
+# worker still owns the entry at that delivery count, it claims the entry again, which adds a
+# delivery. The worker drops the attempt and adopts the entry again as its next attempt, so past
+# --max-attempts it ends in the dead letters instead of running again and again.
+# KEYS: jobs stream. ARGV: group, me, then per attempt: entry id, deliveries.
+# Returns the entry ids claimed again.
+FAIL_ATTEMPTS_LUA = """
+local group, me = ARGV[1], ARGV[2]
+local failed = {}
+for i = 3, #ARGV, 2 do
+  local id = ARGV[i]
+  local p = redis.call('XPENDING', KEYS[1], group, id, id, 1)[1]
+  if p ~= nil and p[2] == me and tonumber(p[4]) == tonumber(ARGV[i + 1]) then
+    redis.call('XCLAIM', KEYS[1], group, me, 0, id)
+    failed[#failed + 1] = id
+  end
+end
+return failed
+"""
+
+
+def reclaim_call(keys: Keys, model: str, me: str, consumers: list[str], count: int,
+                 include_self: bool) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV of RECLAIM_LUA for the consumers seen in `model`'s group."""
+    names = [name for name in consumers if name == me or _valid_name(name)]
+    call_keys = [keys.jobs(model), keys.workers(model)]
+    for name in names:
+        call_keys += [keys.worker(model, name), keys.fence(model, name)]
+    return call_keys, [keys.group, me, count, "1" if include_self else "0", FENCE_TTL_S, *names]
+
+
+def _valid_name(name: str) -> bool:
+    """A consumer name a worker could have (another client may add odd ones to the group: those
+    are left alone, as no heartbeat key can be named for them)."""
+    try:
+        validate_name(name, "worker name")
+    except ProtocolError:
+        return False
+    return True
 
 
 class Scripts:
@@ -222,6 +274,7 @@ class Scripts:
         self.write_events = conn.register_script(WRITE_EVENTS_LUA)
         self.finish = conn.register_script(FINISH_LUA)
         self.reclaim = conn.register_script(RECLAIM_LUA)
+        self.fail_attempts = conn.register_script(FAIL_ATTEMPTS_LUA)
 
     @staticmethod
     def queue(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> None:
@@ -231,7 +284,7 @@ class Scripts:
         pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     def load(self) -> None:
-        for script in (self.write_events, self.finish, self.reclaim):
+        for script in (self.write_events, self.finish, self.reclaim, self.fail_attempts):
             self.conn.script_load(script.script)  # its sha is the script's digest: unchanged
 
 

@@ -150,7 +150,7 @@ class Fleet:
         return self.factory.start(self.server.url, self.model, name, *WORKER_ARGS)
 
     def heartbeat(self, name: str) -> dict[str, Any] | None:
-        value = retrying(lambda: self.conn.get(KEYS.worker(name)))
+        value = retrying(lambda: self.conn.get(KEYS.worker("tiny", name)))
         return decode_heartbeat(value) if value else None
 
     def serving(self, name: str) -> bool:
@@ -208,7 +208,7 @@ class Fleet:
                 attempts[spec.id] = base + int(p["times_delivered"])
             self.paused = (name, proc.pid, attempts)
             wait_for(lambda: not self.pending(name)
-                     and not retrying(lambda: self.conn.exists(KEYS.worker(name))),
+                     and not retrying(lambda: self.conn.exists(KEYS.worker("tiny", name))),
                      timeout=90, interval=0.05, what=f"the others reclaiming {name}'s jobs")
             time.sleep(1.0)  # and then some: it wakes well past its TTL
         finally:

@@ -137,7 +137,7 @@ def test_cancelling_a_batch_cancels_its_running_jobs(gateway: GatewayProcess,
 
 
 def started_events(server: RedisServer, job_id: str) -> int:
-    entries = server.client().xrange(Keys().reply(job_id))
+    entries = server.client().xrange(Keys().reply(job_id, "tiny"))
     return sum(decode_event(f[REPLY_FIELD.encode()])["type"] == "started" for _i, f in entries)
 
 

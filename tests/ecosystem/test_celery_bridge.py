@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
+from producer.protocol import Keys
 from tests.fleet.harness import RedisServer, WorkerFactory, wait_for, wait_heartbeats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,7 +110,7 @@ def test_get_returns_the_same_dict_as_job_result(redis_url: str, serializer: str
         "genq.generate", kwargs={"prompt": PROMPT, "model": "tiny", "params": params})
     got = result.get(timeout=60)
     with Client(redis_url) as genq:  # the genq job id is the Celery task id
-        assert got == genq.job(result.id).result(timeout=5)
+        assert got == genq.job(result.id, "tiny").result(timeout=5)
     assert [(o["token_ids"], o["text"]) for o in got["outputs"]] == offline(PROMPT, params)
 
 
@@ -158,8 +159,8 @@ def test_the_bridge_refuses_pickled_tasks(redis_url: str) -> None:
                                  "params": {"temperature": 0, "max_tokens": 2}})
     assert len(ok.get(timeout=120)["outputs"][0]["token_ids"]) == 2
     conn = redis.Redis.from_url(redis_url)
-    assert conn.exists(f"genq:idem:{ok.id}") == 1
-    assert conn.exists(f"genq:idem:{result.id}") == 0
+    assert conn.exists(Keys().idem(ok.id, "tiny")) == 1
+    assert conn.exists(Keys().idem(result.id, "tiny")) == 0
 
 
 def test_a_task_whose_bridge_died_is_delivered_again_and_attaches_to_the_running_job(
@@ -174,7 +175,8 @@ def test_a_task_whose_bridge_died_is_delivered_again_and_attaches_to_the_running
         "genq.generate", kwargs={"prompt": PROMPT, "model": "tiny", "params": params},
         queue="crash")
     conn = redis.Redis.from_url(redis_url)
-    wait_for(lambda: conn.exists(f"genq:reply:{result.id}"), timeout=60, what="the job to start")
+    wait_for(lambda: conn.exists(Keys().reply(result.id, "tiny")), timeout=60,
+             what="the job to start")
     bridge.kill()  # kill -9 while its thread waits on the job: the task is unacked
     bridge.wait()
     second = start_bridge(redis_url, tmp_path / "second.log", *extra, queue="crash")
@@ -183,8 +185,8 @@ def test_a_task_whose_bridge_died_is_delivered_again_and_attaches_to_the_running
     finally:
         stop(second)
     with Client(redis_url) as genq:
-        assert got == genq.job(result.id).result(timeout=5)
-    events = [decode_event(f[b"e"]) for _, f in conn.xrange(f"genq:reply:{result.id}")]
+        assert got == genq.job(result.id, "tiny").result(timeout=5)
+    events = [decode_event(f[b"e"]) for _, f in conn.xrange(Keys().reply(result.id, "tiny"))]
     assert [e["type"] for e in events].count("started") == 1  # the job ran once
     assert got["usage"]["completion_tokens"] == 480
 
@@ -196,7 +198,7 @@ def test_a_task_that_times_out_cancels_its_job_and_gave_it_a_deadline(redis_url:
     option is the job's priority."""
     import time
 
-    from producer.protocol import Keys, decode_job_entry
+    from producer.protocol import decode_job_entry
 
     bridge = start_bridge(redis_url, tmp_path / "bridge.log", "--timeout", "1", queue="slow")
     try:
@@ -214,4 +216,4 @@ def test_a_task_that_times_out_cancels_its_job_and_gave_it_a_deadline(redis_url:
     spec, _ = decode_job_entry(fields)
     assert spec.id == result.id and spec.deadline is not None and spec.priority == 3
     assert sent < spec.deadline < sent + 1 + 30  # submitted at most 30 s after sending
-    assert conn.exists(keys.cancel(result.id)) == 1
+    assert conn.exists(keys.cancel(result.id, "nobody-serves-this")) == 1

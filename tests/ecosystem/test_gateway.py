@@ -181,7 +181,8 @@ def test_sse_event_ids_are_reply_entry_ids_and_last_event_id_resumes(
     headers = {"Genq-Job-Id": "resume-1"}
     events = sse(gateway, body, headers)
     assert events[-1] == (None, "[DONE]")
-    entry_ids = [eid.decode() for eid, _ in server.client().xrange("genq:reply:resume-1")]
+    entry_ids = [eid.decode()
+                 for eid, _ in server.client().xrange(Keys().reply("resume-1", "tiny"))]
     token_ids = [eid for eid, data in events if data != "[DONE]"]
     assert set(token_ids) <= set(entry_ids) and token_ids == sorted(token_ids, key=entry_key)
 
@@ -201,17 +202,17 @@ def cancels_published(server: RedisServer, job_id: str, hang_up: Callable[[], No
     """Run hang_up; then the gateway must publish a cancel of job_id and set its cancel key
     (what a worker acts on: tests/fleet holds that it aborts the job and frees its blocks)."""
     pubsub = server.client().pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe("genq:cancel")
+    pubsub.ssubscribe(Keys().cancel_channel("tiny"))
     try:
         hang_up()
         end = time.monotonic() + 10
         seen: list[bytes] = []
         while job_id.encode() not in seen and time.monotonic() < end:
             message = pubsub.get_message(timeout=0.5)
-            if message is not None:
+            if message is not None and message["type"] == "smessage":
                 seen.append(message["data"])
         assert job_id.encode() in seen
-        assert server.client().exists(f"genq:cancel:{job_id}") == 1
+        assert server.client().exists(Keys().cancel(job_id, "tiny")) == 1
     finally:
         pubsub.close()
 
@@ -278,7 +279,7 @@ def test_queue_at_its_depth_is_429_and_a_passed_deadline_is_504(
                 api.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
             assert full.value.code == "queue_full"
             long_job.cancel()
-            wait_for(lambda: server.client().xinfo_groups("genq:jobs:tiny")[0]["pending"] == 0,
+            wait_for(lambda: server.client().xinfo_groups(Keys().jobs("tiny"))[0]["pending"] == 0,
                      timeout=30, what="the long job to end")
         time.sleep(0.01)
         with pytest.raises(openai.APIStatusError) as late:
@@ -394,8 +395,8 @@ def test_a_request_again_after_its_result_expired_gets_410(
     first = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=headers, timeout=60)
     assert first.status_code == 200
     conn = server.client()
-    assert conn.get(Keys().idem("expired-1")) == b"ended"  # the finish script's mark
-    conn.delete(Keys().reply("expired-1"))  # what its TTL would do
+    assert conn.get(Keys().idem("expired-1", "tiny")) == b"ended"  # the finish script's mark
+    conn.delete(Keys().reply("expired-1", "tiny"))  # what its TTL would do
     again = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=headers, timeout=60)
     assert again.status_code == 410
     error = again.json()["error"]
@@ -422,11 +423,11 @@ def test_a_replay_that_diverges_after_text_was_streamed_ends_the_stream_with_an_
                 first = next(e for e in reply_events(server, "diverged-1")
                              if e["type"] == "tokens")
                 other = (first["token_ids"][0] + 1) % 100
-                conn.xadd(Keys().reply("diverged-1"), {"e": encode_event(tokens_event(
+                conn.xadd(Keys().reply("diverged-1", "tiny"), {"e": encode_event(tokens_event(
                     first["attempt"] + 1, 0, 0, [other], "zz"))})
     data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     assert "choices" in data[0]
     assert data[-1]["error"]["code"] == "stream_restarted"
     assert data[-1]["error"]["message"].startswith("the job was run again after a worker failed")
     assert "data: [DONE]" not in lines
-    assert not conn.exists(Keys().cancel("diverged-1"))
+    assert not conn.exists(Keys().cancel("diverged-1", "tiny"))

@@ -20,9 +20,9 @@ from producer.gateway_app import create_app
 from producer.limits import Limits
 from producer.openai_schema import CompletionRequest
 from producer.protocol import REPLY_FIELD, Keys, encode_heartbeat
-from tests.fleet.harness import RedisServer, free_port
+from tests.fleet.harness import RedisServer, free_port, register_heartbeat
 
-KEYS = Keys()
+KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 JOBS = KEYS.jobs("tiny")
 BODY = {"model": "tiny", "prompt": "hi", "temperature": 0, "max_tokens": 1, "stream": True}
 
@@ -31,7 +31,7 @@ def held_job(server: RedisServer, job_id: str) -> str:
     """A live worker "w1" serving tiny holds job `job_id` (read, not acked), which has streamed
     one token and ended; -> the id of its tokens entry."""
     conn = server.client()
-    conn.set(KEYS.worker("w1"), encode_heartbeat({"model": "tiny"}), ex=60)
+    register_heartbeat(conn, "tiny", "w1", encode_heartbeat({"model": "tiny"}))
     conn.xgroup_create(JOBS, KEYS.group, id="0", mkstream=True)
     Client(server.url).submit("hi", {"temperature": 0, "max_tokens": 1}, model="tiny",
                               job_id=job_id)
@@ -54,7 +54,7 @@ def post(server: RedisServer, headers: dict[str, str], cut_job: str | None = Non
         app = create_app(GatewayConfig(redis_url=server.url, resume_grace_s=0.3, **cfg))
         gateway = app.state.gateway
         if cut_job is not None:
-            gateway.cancel_later([cut_job])
+            gateway.cancel_later([cut_job], "tiny")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://gateway") as http:
             resp = await http.post("/v1/completions", json=body, headers=headers)
@@ -114,10 +114,10 @@ def test_queue_figures_count_the_waiting_when_redis_cannot_tell_the_lag(
     and the gateway's depth is 51, so its 429 still sees the backlog."""
     conn = redis_server.client()
     conn.xgroup_create(JOBS, KEYS.group, id="0", mkstream=True)
-    held = [conn.xadd(JOBS, {"v": "1", "job": b"x"}) for _ in range(2)]
+    held = [conn.xadd(JOBS, {"v": "2", "job": b"x"}) for _ in range(2)]
     conn.xreadgroup(KEYS.group, "w1", {JOBS: ">"}, count=2)
     for _ in range(50):
-        conn.xadd(JOBS, {"v": "1", "job": b"x"})
+        conn.xadd(JOBS, {"v": "2", "job": b"x"})
     conn.xack(JOBS, KEYS.group, held[1])
     conn.xdel(JOBS, held[1])
     assert conn.xinfo_groups(JOBS)[0]["lag"] is None  # (what the figures work around)

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from producer.protocol import Keys
 from tests.ecosystem.gateway_harness import MODEL_DIR, GatewayProcess, gateway_fleet
 from tests.ecosystem.test_chat import TEMPLATE
 from tests.ecosystem.test_gateway import PROMPT, entry_key, sse
@@ -104,7 +105,7 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(
     error = resp.json()["error"]
     assert error["code"] == "bad_text"
     assert field in error["message"] and "surrogate" in error["message"]
-    assert server.client().exists(f"genq:idem:{job_id}") == 0
+    assert server.client().exists(Keys().idem(job_id, "tiny")) == 0
 
 
 def test_several_prompts_one_over_a_cap_enqueue_nothing(
@@ -118,7 +119,7 @@ def test_several_prompts_one_over_a_cap_enqueue_nothing(
     assert resp.status_code == 400
     assert resp.json()["error"]["code"] == "limit_exceeded"
     conn = server.client()
-    assert [conn.exists(f"genq:idem:multi-cap-{k}") for k in (0, 1)] == [0, 0]
+    assert [conn.exists(Keys().idem(f"multi-cap-{k}", "tiny")) for k in (0, 1)] == [0, 0]
     assert reply_events(server, "multi-cap-0") == []
 
 
@@ -144,7 +145,7 @@ def test_a_reply_reader_waits_out_a_redis_outage_without_spinning(tmp_path: Path
             return await xread(*args, **kwargs)
 
         gw.blocking_conn.xread = counted  # type: ignore[method-assign]
-        reader = JobReader(gw.blocking_conn, "genq:reply:outage", "outage", None, 60)
+        reader = JobReader(gw.blocking_conn, Keys().reply("outage", "tiny"), "outage", None, 60)
         server.kill()
         loop = asyncio.get_running_loop()
         down = loop.run_in_executor(None, time.sleep, 1.5)
@@ -152,7 +153,7 @@ def test_a_reply_reader_waits_out_a_redis_outage_without_spinning(tmp_path: Path
         async def restart_and_finish() -> None:
             await down
             server.start()
-            server.client().xadd("genq:reply:outage", {"e": encode_event(done_event(
+            server.client().xadd(Keys().reply("outage", "tiny"), {"e": encode_event(done_event(
                 1, [{"index": 0, "token_ids": [1], "text": "a", "finish_reason": "length"}],
                 {"prompt_tokens": 1, "completion_tokens": 1}, {}))})
 
@@ -185,7 +186,7 @@ def test_a_malformed_last_event_id_is_a_400_and_submits_nothing(
         "message": f"Last-Event-ID {last_event_id!r} is not a reply entry id (<ms>-<seq>, as "
                    "the id: lines of this stream)", "type": "invalid_request_error",
         "param": "Last-Event-ID", "code": "bad_last_event_id"}
-    assert server.client().exists(f"genq:idem:{job_id}") == 0
+    assert server.client().exists(Keys().idem(job_id, "tiny")) == 0
 
 
 def test_while_redis_is_down_answers_are_openai_shaped_503s(tmp_path: Path) -> None:
@@ -268,12 +269,12 @@ def test_a_cut_requests_delayed_cancel_spares_a_job_that_a_retry_reads(tmp_path:
         gateway = Gateway(GatewayConfig(redis_url=server.url, resume_grace_s=0.1))
         conn = server.client()
         with gateway._reading(["job-r"]):  # the retry is reading the job
-            gateway.cancel_later(["job-r"])  # the first request, cut, schedules its cancel
+            gateway.cancel_later(["job-r"], "tiny")  # the first request, cut, schedules its cancel
             await asyncio.sleep(0.4)
-            spared = conn.exists("genq:cancel:job-r")
-        gateway.cancel_later(["job-r"])  # the retry is cut too: nobody reads the job now
+            spared = conn.exists(Keys().cancel("job-r", "tiny"))
+        gateway.cancel_later(["job-r"], "tiny")  # the retry is cut too: nobody reads the job now
         await asyncio.sleep(0.4)
-        cancelled = conn.exists("genq:cancel:job-r")
+        cancelled = conn.exists(Keys().cancel("job-r", "tiny"))
         await gateway.redis.close()
         return spared, cancelled
 

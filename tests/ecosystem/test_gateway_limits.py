@@ -20,15 +20,15 @@ from producer.gateway import GatewayConfig
 from producer.gateway_app import create_app
 from producer.protocol import REPLY_FIELD, Keys, encode_heartbeat
 from tests.ecosystem.gateway_harness import GatewayProcess
-from tests.fleet.harness import RedisServer, wait_for
+from tests.fleet.harness import RedisServer, register_heartbeat, wait_for
 
-KEYS = Keys()
+KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 JOBS = KEYS.jobs("tiny")
 
 
 def serve_tiny(server: RedisServer) -> None:
     """A live worker "w1" serving tiny, as far as the gateway can tell."""
-    server.client().set(KEYS.worker("w1"), encode_heartbeat({"model": "tiny"}), ex=600)
+    register_heartbeat(server.client(), "tiny", "w1", encode_heartbeat({"model": "tiny"}), ex=600)
 
 
 def post(server: RedisServer, body: Any, **cfg: Any) -> httpx.Response:
@@ -85,7 +85,7 @@ def test_prompts_times_n_count_against_the_queue_depth(redis_server: RedisServer
     never = post(redis_server, {"model": "tiny", "prompt": ["a", "b"], "n": 3},
                  max_queue_depth=5)
     assert (never.status_code, never.json()["error"]["code"]) == (400, "request_too_large")
-    redis_server.client().xadd(JOBS, {"v": 1, "job": b"held"})  # the queue holds one job
+    redis_server.client().xadd(JOBS, {"v": 2, "job": b"held"})  # the queue holds one job
     now = post(redis_server, {"model": "tiny", "prompt": ["a", "b"], "n": 2},
                max_queue_depth=4)
     assert (now.status_code, now.json()["error"]["code"]) == (429, "queue_full")

@@ -123,7 +123,7 @@ def test_each_line_equals_the_offline_engine_and_bad_lines_say_why(
 
 
 def started_events(server: RedisServer, job_id: str) -> int:
-    entries = server.client().xrange(Keys().reply(job_id))
+    entries = server.client().xrange(Keys().reply(job_id, "tiny"))
     return sum(decode_event(f[REPLY_FIELD.encode()])["type"] == "started" for _i, f in entries)
 
 

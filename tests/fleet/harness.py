@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import redis
 
+from producer.protocol import Keys
+
 T = TypeVar("T")
 Expected = list[tuple[list[int], str, str | None]]
 REPO = Path(__file__).resolve().parents[2]
@@ -72,10 +74,12 @@ class RedisServer:
 
 
 class WorkerProcess:
-    def __init__(self, proc: subprocess.Popen[bytes], name: str, log: Path) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], name: str, log: Path,
+                 served_name: str = "tiny") -> None:
         self.proc = proc
         self.name = name
         self.log = log
+        self.served_name = served_name
 
     @property
     def pid(self) -> int:
@@ -123,7 +127,7 @@ class WorkerFactory:
                "PYTHONPATH": str(REPO)}
         with open(log, "wb") as out:
             proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        worker = WorkerProcess(proc, name, log)
+        worker = WorkerProcess(proc, name, log, served_name)
         self.workers.append(worker)
         return worker
 
@@ -149,7 +153,7 @@ def wait_heartbeats(server: RedisServer, workers: list[WorkerProcess],
         for w in workers:
             if not w.alive():
                 raise AssertionError(f"worker {w.name} exited:\n{w.output()[-3000:]}")
-        return all(conn.exists(f"genq:worker:{w.name}") for w in workers)
+        return all(conn.exists(Keys().worker(w.served_name, w.name)) for w in workers)
 
     wait_for(ready, timeout=timeout, interval=0.1, what="worker heartbeats")
 
@@ -183,10 +187,20 @@ def as_expected(result: dict[str, Any]) -> Expected:
     return [(o["token_ids"], o["text"], o["finish_reason"]) for o in result["outputs"]]
 
 
-def reply_events(server: RedisServer, job_id: str) -> list[dict[str, Any]]:
+def reply_events(server: RedisServer, job_id: str, model: str = "tiny") -> list[dict[str, Any]]:
     """Every raw event in a job's reply stream (all attempts)."""
     from producer.events import decode_event
     from producer.protocol import REPLY_FIELD, Keys
 
-    entries = server.client().xrange(Keys().reply(job_id))
+    entries = server.client().xrange(Keys().reply(job_id, model))
     return [decode_event(fields[REPLY_FIELD.encode()]) for _id, fields in entries]
+
+
+def register_heartbeat(conn: redis.Redis, model: str, name: str, value: bytes,
+                       ex: int = 60) -> None:
+    """A worker's heartbeat as a worker writes it: the key, and its name in the registry that
+    `genq status` and the gateway read (producer/registry.py)."""
+    keys = Keys()
+    conn.set(keys.worker(model, name), value, ex=ex)
+    conn.sadd(keys.workers(model), name)
+    conn.sadd(keys.models, model)

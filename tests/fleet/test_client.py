@@ -15,7 +15,7 @@ from producer.events import done_event, encode_event, error_event, started_event
 from producer.protocol import REPLY_FIELD, Keys, ProtocolError, decode_job_entry
 from tests.fleet.harness import REPO, RedisServer, wait_for
 
-KEYS = Keys()
+KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 
 
 def write(server: RedisServer, job_id: str, *events: dict[str, object]) -> None:
@@ -51,9 +51,10 @@ def test_submit_and_cancel_keys_carry_ttls(redis_server: RedisServer) -> None:
     client = Client(redis_server.url, idempotency_ttl=100, stream_ttl=200, cancel_ttl=50)
     job = client.submit("hi", model="tiny", job_id="j2")
     pubsub = redis_server.client().pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(KEYS.cancel_channel)
+    pubsub.ssubscribe(KEYS.cancel_channel("tiny"))
     job.cancel()
     message = wait_for(lambda: pubsub.get_message(timeout=0.1), what="cancel publish")
+    assert message["type"] == "smessage"
     conn = redis_server.client()
     assert message["data"] == b"j2"
     assert 0 < conn.ttl(KEYS.idem("j2")) <= 100
@@ -75,7 +76,7 @@ def test_stream_drops_superseded_attempts_and_repeated_positions(
     write(redis_server, "j3", started_event(1, "a"), tokens_event(1, 0, 0, [7], "x"),
           started_event(2, "b"), tokens_event(1, 0, 1, [9], "z"), tokens_event(2, 0, 0, [7], "x"),
           tokens_event(2, 0, 1, [8], "y"), done(2, [7, 8]))
-    events = list(Client(redis_server.url).job("j3").stream(timeout=10))
+    events = list(Client(redis_server.url).job("j3", "tiny").stream(timeout=10))
     assert [(e["type"], e.get("pos"), e.get("token_ids")) for e in events] == [
         ("started", None, None), ("tokens", 0, [7]), ("started", None, None),
         ("tokens", 1, [8]), ("done", None, None)]
@@ -84,14 +85,14 @@ def test_stream_drops_superseded_attempts_and_repeated_positions(
 def test_result_raises_job_error_on_error_event(redis_server: RedisServer) -> None:
     write(redis_server, "j4", started_event(1, "a"), error_event(1, "cancelled", "by you"))
     with pytest.raises(JobError) as exc:
-        Client(redis_server.url).job("j4").result(timeout=10)
+        Client(redis_server.url).job("j4", "tiny").result(timeout=10)
     assert (exc.value.code, exc.value.message) == ("cancelled", "by you")
 
 
 def test_result_times_out_without_terminal_event(redis_server: RedisServer) -> None:
     write(redis_server, "j5", started_event(1, "a"))
     with pytest.raises(TimeoutError):
-        Client(redis_server.url).job("j5").result(timeout=0.3)
+        Client(redis_server.url).job("j5", "tiny").result(timeout=0.3)
 
 
 def test_a_job_that_ended_in_time_is_not_timed_out_by_a_long_stream(
@@ -108,13 +109,13 @@ def test_a_job_that_ended_in_time_is_not_timed_out_by_a_long_stream(
                                                                      range(3000)]))})
     pipe.execute()
     want = [pos % 7 for pos in range(3000)]
-    assert Client(redis_server.url).job("long").result(timeout=0.001)["outputs"][0][
+    assert Client(redis_server.url).job("long", "tiny").result(timeout=0.001)["outputs"][0][
         "token_ids"] == want
 
     async def scenario() -> list[object]:
         async with AsyncClient(redis_server.url) as client:
-            one = await client.job("long").result(timeout=0.001)
-            many = await client.results([client.job("long")] * 3, timeout=0.001)
+            one = await client.job("long", "tiny").result(timeout=0.001)
+            many = await client.results([client.job("long", "tiny")] * 3, timeout=0.001)
             return [r["outputs"][0]["token_ids"] for r in [one, *many]]
 
     assert asyncio.run(scenario()) == [want] * 4
@@ -126,13 +127,13 @@ def test_a_reply_entry_that_is_not_an_event_is_a_protocol_error(
     conn = redis_server.client()
     conn.xadd(KEYS.reply("odd"), {"note": "hello"})
     with pytest.raises(ProtocolError) as exc:
-        Client(redis_server.url).job("odd").result(timeout=5)
+        Client(redis_server.url).job("odd", "tiny").result(timeout=5)
     assert (exc.value.code, exc.value.message) == (
         "missing_field", "a reply entry needs the field 'e' (it has note)")
 
     async def scenario() -> None:
         async with AsyncClient(redis_server.url) as client:
-            await client.job("odd").result(timeout=5)
+            await client.job("odd", "tiny").result(timeout=5)
 
     with pytest.raises(ProtocolError) as aexc:
         asyncio.run(scenario())
@@ -143,7 +144,7 @@ def test_stream_resumes_after_redis_restarts(redis_server: RedisServer) -> None:
     write(redis_server, "j6", started_event(1, "a"), tokens_event(1, 0, 0, [1], "a"))
     seen: list[dict[str, object]] = []
     reader = threading.Thread(target=lambda: seen.extend(
-        Client(redis_server.url).job("j6").stream(timeout=60)))
+        Client(redis_server.url).job("j6", "tiny").stream(timeout=60)))
     reader.start()
     wait_for(lambda: len(seen) == 2, what="events before the restart")
     redis_server.restart(down_s=0.5)

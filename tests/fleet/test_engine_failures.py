@@ -38,7 +38,7 @@ from worker.config import WorkerConfig
 from worker.loop import Worker
 from worker.quarantine import EXIT_ENGINE_BROKEN
 
-KEYS = Keys()
+KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 MARK, MARK2 = 424_242, 515_151  # seeds that mark poisoned jobs
 GOOD: list[tuple[str, dict[str, Any]]] = [
     ("the quick brown fox", {"temperature": 0, "max_tokens": 12, "ignore_eos": True}),
@@ -256,7 +256,7 @@ def test_an_engine_that_always_fails_exits_non_zero_and_another_worker_serves_it
                                                  "a probe request of the worker's own")
     for job in jobs:
         assert [e["type"] for e in reply_events(redis_server, job.id)] == ["started"]
-    assert not redis_server.client().exists(KEYS.worker("broken"))  # its heartbeat is gone
+    assert not redis_server.client().exists(KEYS.worker("tiny", "broken"))  # its heartbeat is gone
     healthy = ThreadWorker(redis_server, tiny_llama, "healthy")
     thread_workers.append(healthy)
     for job, want in zip(jobs, expected, strict=True):
@@ -320,7 +320,7 @@ def test_a_job_with_a_stop_token_outside_the_vocabulary_is_refused_by_a_genq_wor
     assert conn.xlen(KEYS.dead("tiny")) == 0 and proc.alive()
 
     def idle() -> dict[str, Any] | None:
-        beat = conn.get(KEYS.worker("real"))
+        beat = conn.get(KEYS.worker("tiny", "real"))
         info = decode_heartbeat(beat) if isinstance(beat, bytes) else None
         return info if info and info["held"] == 0 and info["completed"] == 3 else None
 

@@ -215,7 +215,7 @@ def test_sigterm_hands_unfinished_jobs_back_at_once(
     conn = redis_server.client()
     assert conn.xpending(JOBS_KEY, GROUP)["pending"] == 0  # nothing waits for a heartbeat TTL
     assert conn.xlen(JOBS_KEY) == 3  # handed back as new entries
-    assert not conn.exists(Keys().worker("w1"))
+    assert not conn.exists(Keys().worker("tiny", "w1"))
     # A hand-back is no end: the jobs' idempotency keys carry no ended mark (ResultExpired)
     assert [conn.get(Keys().idem(j.id)) for j in jobs] == [b"1"] * 3
     second = workers.start(redis_server.url, tiny_llama, "w2")
@@ -279,6 +279,6 @@ def test_a_paused_worker_whose_jobs_were_reclaimed_never_writes_to_them_again(
         assert raw[-1]["type"] == "done" and raw[-1]["attempt"] == 2
     assert paused.alive()
     conn = redis_server.client()
-    hb = wait_for(lambda: (v := conn.get(Keys().worker("w1"))) and decode_heartbeat(v),
+    hb = wait_for(lambda: (v := conn.get(Keys().worker("tiny", "w1"))) and decode_heartbeat(v),
                   what="w1's heartbeat after waking")
     assert hb["lost"] >= 1

@@ -21,7 +21,7 @@ PARAMS = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
 
 def first_token_at(server: RedisServer, job_id: str) -> tuple[int, int]:
     """The stream id of the job's first tokens event: when its first token was written."""
-    for entry_id, fields in server.client().xrange(Keys().reply(job_id)):
+    for entry_id, fields in server.client().xrange(Keys().reply(job_id, "tiny")):
         if decode_event(fields[REPLY_FIELD.encode()])["type"] == "tokens":
             ms, seq = entry_id.decode().split("-")
             return int(ms), int(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,7 @@ from producer.protocol import (
     check_job_spec,
     decode_job_entry,
     encode_job_entry,
+    new_job_id,
     waiting_entries,
 )
 from producer.replies import ReplyDeduper
@@ -40,26 +42,42 @@ GOOD = JobSpec(id="job-1", model="tiny", prompt="hello", params={"temperature": 
 
 
 def entry(job: dict[str, object], **extra: bytes) -> dict[bytes, bytes]:
-    fields = {b"v": b"1", b"job": msgpack.packb(job)}
+    fields = {b"v": b"2", b"job": msgpack.packb(job)}
     fields.update({k.encode(): v for k, v in extra.items()})
     return fields
 
 
-def test_keys_live_under_the_prefix() -> None:
+def test_keys_live_under_the_prefix_with_the_models_hash_tag() -> None:
     keys = Keys("app")
-    assert keys.jobs("tiny") == "app:jobs:tiny"
-    assert keys.dead("tiny") == "app:dead:tiny"
-    assert keys.reply("a.b:c-d_1") == "app:reply:a.b:c-d_1"
-    assert keys.cancel("x") == "app:cancel:x"
-    assert keys.worker("w1") == "app:worker:w1"
-    assert keys.idem("x") == "app:idem:x"
-    assert keys.cancel_channel == "app:cancel"
+    assert keys.jobs("tiny") == "app:jobs:{tiny}"
+    assert keys.dead("tiny") == "app:dead:{tiny}"
+    assert keys.reply("a.b:c-d_1", "tiny") == "app:reply:{tiny}:a.b:c-d_1"
+    assert keys.cancel("x", "tiny") == "app:cancel:{tiny}:x"
+    assert keys.worker("tiny", "w1") == "app:worker:{tiny}:w1"
+    assert keys.workers("tiny") == "app:worker:{tiny}"
+    assert keys.models == "app:worker:models"
+    assert keys.fence("tiny", "w1") == "app:fence:{tiny}:w1"
+    assert keys.idem("x", "tiny") == "app:idem:{tiny}:x"
+    assert keys.cancel_channel("tiny") == "app:cancel:{tiny}"
+
+
+def test_a_job_ids_model_comes_from_the_call_then_the_keys_then_the_id() -> None:
+    made = new_job_id("Qwen2.5-0.5B")
+    assert re.fullmatch(r"Qwen2\.5-0\.5B\.[0-9a-f]{32}", made)
+    assert Keys().reply(made) == f"genq:reply:{{Qwen2.5-0.5B}}:{made}"
+    assert Keys().reply(made + "-3") == f"genq:reply:{{Qwen2.5-0.5B}}:{made}-3"  # (gateway's)
+    assert Keys(model="tiny").reply(made) == f"genq:reply:{{tiny}}:{made}"  # (a worker's)
+    assert Keys(model="tiny").reply(made, "m") == f"genq:reply:{{m}}:{made}"
+    with pytest.raises(ValueError, match=r"^job id 'j1' does not name its model .*pass "
+                                         r"model=\.\.\. to find its job$"):
+        Keys().reply("j1")
+    assert re.fullmatch(r"[0-9a-f]{32}", new_job_id("m" * 100))  # (too long to name it)
 
 
 @pytest.mark.parametrize("bad", ["", "a b", "../x", "x\n", "é", "a*", "a" * 129, "{x}"])
 def test_reply_keys_only_from_valid_ids(bad: str) -> None:
     with pytest.raises(ProtocolError) as exc:
-        Keys().reply(bad)
+        Keys().reply(bad, "tiny")
     assert exc.value.code == "bad_id"
 
 
@@ -84,14 +102,14 @@ JOB = GOOD.to_wire()
 
 
 @pytest.mark.parametrize("fields, code, job_id", [
-    ({b"v": b"1"}, "missing_field", None),
-    ({b"v": b"2", b"job": msgpack.packb(JOB)}, "bad_version", None),
+    ({b"v": b"2"}, "missing_field", None),
+    ({b"v": b"1", b"job": msgpack.packb(JOB)}, "bad_version", None),  # (protocol 1)
     (entry(JOB, extra=b"1"), "unknown_field", None),
     (entry(JOB, a=b"-1"), "wrong_type", None),
     (entry(JOB, a="\u00b2".encode()), "wrong_type", None),  # '²'.isdigit(), int('²') raises
     (entry(JOB, a="\u0663".encode()), "wrong_type", None),  # Arabic-Indic 3: int() takes it
-    ({b"v": b"1", b"job": b"\xc1\xc1"}, "malformed", None),
-    ({b"v": b"1", b"job": msgpack.packb([1, 2])}, "wrong_type", None),
+    ({b"v": b"2", b"job": b"\xc1\xc1"}, "malformed", None),
+    ({b"v": b"2", b"job": msgpack.packb([1, 2])}, "wrong_type", None),
     (entry({**JOB, "id": "bad id"}), "bad_id", None),
     (entry({**JOB, "id": 7}), "bad_id", None),
     (entry({**JOB, "colour": "red"}), "unknown_field", "job-1"),
@@ -132,7 +150,7 @@ def test_an_oversized_payload_names_its_job_when_it_can(payload: object,
                                                         job_id: str | None) -> None:
     """Read without decoding the rest: the worker can answer on the job's reply stream."""
     with pytest.raises(ProtocolError) as exc:
-        decode_job_entry({b"v": b"1", b"job": msgpack.packb(payload)}, max_job_bytes=1000)
+        decode_job_entry({b"v": b"2", b"job": msgpack.packb(payload)}, max_job_bytes=1000)
     assert (exc.value.code, exc.value.job_id) == ("too_large", job_id)
 
 

@@ -22,7 +22,7 @@ BASE: dict[str, object] = {"id": "job-1", "model": "tiny", "params": {"temperatu
 
 
 def entry(job: dict[str, object]) -> dict[bytes, bytes]:
-    return {b"v": b"1", b"job": msgpack.packb(job)}
+    return {b"v": b"2", b"job": msgpack.packb(job)}
 
 
 def error_of(job: dict[str, object]) -> tuple[str, str, str | None]:

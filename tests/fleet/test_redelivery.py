@@ -35,7 +35,7 @@ def long_offline(long_llama: Path) -> Iterator[Any]:
 
 
 def heartbeat_of(server: RedisServer, name: str) -> dict[str, Any]:
-    value = server.client().get(Keys().worker(name))
+    value = server.client().get(Keys().worker("tiny", name))
     return decode_heartbeat(value) if value is not None else {}
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from producer import Client
+from producer.protocol import Keys
 from tests.fleet.harness import (
     Expected,
     RedisServer,
@@ -38,7 +39,7 @@ def test_an_idle_worker_survives_its_job_stream_deleted_and_redis_flushed(
     want = offline(prompts, GREEDY)
     assert as_expected(client.submit(prompts[0], GREEDY, model="tiny").result(60)) == want[0]
     conn = redis_server.client()
-    for k, wipe in enumerate((lambda: conn.delete("genq:jobs:tiny"), conn.flushall), start=1):
+    for k, wipe in enumerate((lambda: conn.delete(Keys().jobs("tiny")), conn.flushall), start=1):
         time.sleep(0.3)  # the worker is idle again, blocked in its read
         wipe()
         time.sleep(0.3)
@@ -93,9 +94,9 @@ def test_writes_refused_while_redis_is_out_of_memory_land_once_it_has_room(
     conn = redis_server.client()
     conn.config_set("maxmemory", 1)  # (noeviction is the default policy)
     time.sleep(1.5)
-    lengths = [conn.xlen(f"genq:reply:{j.id}") for j in jobs]
+    lengths = [conn.xlen(Keys().reply(j.id)) for j in jobs]
     time.sleep(0.5)
-    assert [conn.xlen(f"genq:reply:{j.id}") for j in jobs] == lengths  # nothing lands
+    assert [conn.xlen(Keys().reply(j.id)) for j in jobs] == lengths  # nothing lands
     conn.config_set("maxmemory", 0)
     for t in threads:
         t.join(300)

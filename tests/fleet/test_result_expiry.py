@@ -29,8 +29,8 @@ def worker(server: RedisServer, tiny_llama: Path,
 
 def expired(server: RedisServer, job_id: str) -> None:
     conn = server.client()
-    wait_for(lambda: conn.get(KEYS.idem(job_id)) == b"ended"
-             and not conn.exists(KEYS.reply(job_id)), timeout=30, interval=0.1,
+    wait_for(lambda: conn.get(KEYS.idem(job_id, "tiny")) == b"ended"
+             and not conn.exists(KEYS.reply(job_id, "tiny")), timeout=30, interval=0.1,
              what=f"job {job_id} ended and its reply stream expired")
 
 
@@ -38,7 +38,7 @@ def test_results_read_after_the_reply_expired_raise_result_expired(
         server: RedisServer, worker: WorkerProcess) -> None:
     client = Client(server.url)
     done = client.submit("the quick brown fox", PARAMS, model="tiny")
-    client.cancel("cancelled-early")  # ends with an error event ("cancelled")
+    client.cancel("cancelled-early", "tiny")  # ends with an error event ("cancelled")
     refused = client.submit("the quick brown fox", PARAMS, model="tiny", job_id="cancelled-early")
     expired(server, done.id)
     expired(server, refused.id)

@@ -17,7 +17,7 @@ from producer.results import _SCRIPT_REFUSED, pass_interval
 from tests.fleet.harness import RedisServer
 from tests.security.secure_redis import ACL_RULES, PASSWORDS, RESULTS_SELECTOR
 
-KEYS = Keys()
+KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 GARBAGE = b"\xc1 not an event"  # 0xc1 is never valid MessagePack
 
 
@@ -73,7 +73,7 @@ def test_only_each_streams_last_entry_is_decoded(redis_server: RedisServer,
     write(redis_server, "b", started_event(1, "w"), *[GARBAGE] * 3,
           error_event(1, "too_long", "the prompt is 9000 tokens, over the model's 4096"))
     write(redis_server, "c", GARBAGE, tokens_event(1, 0, 0, [7], "x"), done(2, [7, 8]))
-    jobs = [client.job(j) for j in "abc"]
+    jobs = [client.job(j, "tiny") for j in "abc"]
     first, failed, third = client.results(jobs, timeout=10, return_exceptions=True)
     assert first == done(1, [5, 6], "ab")
     assert isinstance(failed, JobError) and (failed.job_id, failed.code, failed.message) == (
@@ -87,10 +87,10 @@ def test_a_last_entry_that_is_not_an_event_is_a_protocol_error(redis_server: Red
                                                                 client: Client) -> None:
     write(redis_server, "g", started_event(1, "w"), GARBAGE)
     with pytest.raises(ProtocolError, match="^event is not valid MessagePack"):
-        client.results([client.job("g")], timeout=10)
+        client.results([client.job("g", "tiny")], timeout=10)
     redis_server.client().xadd(KEYS.reply("m"), {"other": b"x"})
-    with pytest.raises(ProtocolError, match="^entry .* of genq:reply:m has no field 'e'$"):
-        client.results([client.job("m")], timeout=10)
+    with pytest.raises(ProtocolError, match="^entry .* of genq:reply:{tiny}:m has no field 'e'$"):
+        client.results([client.job("m", "tiny")], timeout=10)
 
 
 def test_streams_that_appear_and_grow_while_it_waits(redis_server: RedisServer,
@@ -99,7 +99,7 @@ def test_streams_that_appear_and_grow_while_it_waits(redis_server: RedisServer,
     start in reverse order, stream tokens interleaved with each other (so passes see streams whose
     last entry is a tokens event), then end."""
     ids = [f"j{i}" for i in range(700)]
-    jobs = [client.job(j) for j in ids]
+    jobs = [client.job(j, "tiny") for j in ids]
     expected: dict[str, dict[str, object]] = {}
 
     def worker() -> None:
@@ -129,7 +129,7 @@ def test_a_job_whose_stream_has_tokens_but_no_end_times_out(redis_server: RedisS
                                                             client: Client) -> None:
     end = streamed(redis_server, "ok", [1, 2, 3])
     write(redis_server, "slow", started_event(1, "w"), tokens_event(1, 0, 0, [4], "x"))
-    jobs = [client.job("ok"), client.job("slow"), client.job("unborn")]
+    jobs = [client.job("ok", "tiny"), client.job("slow", "tiny"), client.job("unborn", "tiny")]
     with pytest.raises(TimeoutError, match="^2 of 3 job\\(s\\) had no terminal event within "
                                            "0.4 s$"):
         client.results(jobs, timeout=0.4)
@@ -145,7 +145,7 @@ def test_it_waits_through_a_redis_restart(redis_server: RedisServer, client: Cli
     """Redis goes away mid-wait (reconnect with backoff) and comes back without the script
     cache (the script is loaded again): every job still ends."""
     ids = [f"r{i}" for i in range(10)]
-    jobs = [client.job(j) for j in ids]
+    jobs = [client.job(j, "tiny") for j in ids]
     for j in ids[:5]:
         streamed(redis_server, j, [int(j[1:])])
 
@@ -170,14 +170,14 @@ def test_an_acl_without_the_scripts_selector_is_refused_it_once_per_connection(
     end = streamed(redis_server, "p1", [3, 1])
     with Client(url) as client:
         for _ in range(3):
-            assert client.results([client.job("p1")], timeout=10) == [end]
+            assert client.results([client.job("p1", "tiny")], timeout=10) == [end]
         assert client.blocking_redis in _SCRIPT_REFUSED
     log = admin.acl_log()
     assert [(e["reason"], e["object"], e["username"], e["count"]) for e in log] == [
-        ("key", "genq:reply:p1", "genq-producer", 1)]
+        ("key", "genq:reply:{tiny}:p1", "genq-producer", 1)]
     admin.execute_command("ACL", "LOG", "RESET")
     with Client(producer_url(redis_server)) as client:  # docs/security.md's lines allow it
-        assert client.results([client.job("p1")], timeout=10) == [end]
+        assert client.results([client.job("p1", "tiny")], timeout=10) == [end]
         assert client.blocking_redis not in _SCRIPT_REFUSED
     assert admin.acl_log() == []
 
@@ -185,7 +185,7 @@ def test_an_acl_without_the_scripts_selector_is_refused_it_once_per_connection(
 def test_a_job_given_twice_is_refused_before_any_read(redis_server: RedisServer) -> None:
     with Client(redis_server.url) as client:
         with pytest.raises(ValueError, match="^job d is given twice$"):
-            client.results([client.job("c"), client.job("d"), client.job("d")])
+            client.results([client.job(j, "tiny") for j in "cdd"])
 
 
 def test_pass_interval_scales_with_the_unfinished_streams() -> None:

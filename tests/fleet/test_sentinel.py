@@ -51,7 +51,7 @@ def test_sentinel_urls_parse_into_sentinels_service_db_and_credentials() -> None
     ("redis+sentinel://h:1", "/service_name"),
     ("redis+sentinel://h:1/svc/x", "database 'x' is not a number"),
     ("redis+sentinel://h:port/svc", "'h:port' is not host:port"),
-    ("redis+cluster://h:1", "Redis Cluster is not supported yet"),
+    ("redis+cluster://h:1/3", "a cluster has only database 0"),
     ("http://h:1/0", "unknown scheme 'http'"),
 ])
 def test_a_bad_url_is_a_usage_error_that_says_what_is_wrong(url: str, says: str) -> None:
@@ -77,7 +77,7 @@ def wait_worker(sentinels: SentinelSet, name: str, workers: WorkerFactory) -> No
     def up() -> bool:
         for w in workers.workers:
             assert w.alive(), w.output()[-3000:]
-        return bool(sentinels.primary().exists(Keys().worker(name)))
+        return bool(sentinels.primary().exists(Keys().worker("tiny", name)))
     wait_for(up, timeout=180, interval=0.1, what="the worker's heartbeat")
 
 
@@ -91,7 +91,7 @@ def done_events(primary: redis.Redis, job_id: str) -> int:
     from producer.events import decode_event
     from producer.protocol import REPLY_FIELD
 
-    entries = primary.xrange(Keys().reply(job_id))
+    entries = primary.xrange(Keys().reply(job_id, "tiny"))
     return sum(decode_event(f[REPLY_FIELD.encode()])["type"] == "done" for _i, f in entries)
 
 
@@ -114,7 +114,7 @@ def test_a_planned_failover_shows_no_error_to_the_client_and_the_worker_follows(
     assert new != old
     assert got == want
     # The worker serves from the new primary: its heartbeat is there, and it is still the one.
-    wait_for(lambda: sentinels.primary().exists(Keys().worker("s1")), timeout=60,
+    wait_for(lambda: sentinels.primary().exists(Keys().worker("tiny", "s1")), timeout=60,
              what="the worker's heartbeat on the new primary")
     assert worker.alive()
     assert worker.terminate() == 0

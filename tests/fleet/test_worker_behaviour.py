@@ -30,7 +30,7 @@ from tests.fleet.harness import (
     wait_for,
 )
 
-KEYS = Keys()
+KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 JOBS_KEY = KEYS.jobs("tiny")
 DEAD_KEY = KEYS.dead("tiny")
 _ids = itertools.count()
@@ -47,7 +47,7 @@ def worker(server: RedisServer, long_llama: Path,
 
 
 def heartbeat(server: RedisServer) -> dict[str, Any]:
-    value = server.client().get(KEYS.worker("solo"))
+    value = server.client().get(KEYS.worker("tiny", "solo"))
     assert value is not None
     return decode_heartbeat(value)
 
@@ -113,7 +113,7 @@ def test_cancel_mid_generation_frees_blocks_and_ends_with_cancelled(
 def test_a_job_cancelled_before_any_worker_read_it_ends_cancelled(
         server: RedisServer, worker: WorkerProcess) -> None:
     client = Client(server.url)
-    client.cancel("early-1")
+    client.cancel("early-1", "tiny")
     job = client.submit("the quick", {"temperature": 0, "max_tokens": 500, "ignore_eos": True},
                         model="tiny", job_id="early-1")
     with pytest.raises(JobError) as exc:
@@ -144,7 +144,7 @@ def test_an_entry_delivered_by_a_read_whose_reply_was_lost_is_adopted_and_run(
     # read as "solo" run in one transaction, so the worker's own blocked read cannot win it.
     job = raw_job("orphan-1", params={"temperature": 0, "max_tokens": 5, "ignore_eos": True})
     pipe = server.client().pipeline(transaction=True)
-    pipe.xadd(JOBS_KEY, {"v": b"1", "job": msgpack.packb(job)})
+    pipe.xadd(JOBS_KEY, {"v": b"2", "job": msgpack.packb(job)})
     pipe.xreadgroup("workers", "solo", {JOBS_KEY: ">"}, count=1)
     entry_id, read = pipe.execute()
     assert read[0][1][0][0] == entry_id  # pending for "solo", delivered once
@@ -242,7 +242,7 @@ def test_bad_input_gets_an_error_event_with_a_reason(server: RedisServer, worker
     job_id = f"bad-{next(_ids)}"
     job = {k: v for k, v in raw_job(job_id, **overrides).items() if v is not None
            or k in ("seed", "deadline")}
-    entry = xadd_raw(server, {"v": b"1", "job": msgpack.packb(job)})
+    entry = xadd_raw(server, {"v": b"2", "job": msgpack.packb(job)})
     end = wait_for(lambda: terminal(server, job_id), timeout=30, what=f"an answer to {why}")
     assert (end["type"], end["code"]) == ("error", code)
     assert len(end["message"]) > 10
@@ -256,17 +256,17 @@ def test_a_handed_back_job_that_fails_to_decode_answers_in_its_current_attempt(
     its error event is attempt 3, so a client that saw attempt 2 does not drop it as stale."""
     job_id = f"bad-{next(_ids)}"
     job = {**raw_job(job_id), "colour": "red"}  # (an unknown field: decoding refuses it)
-    xadd_raw(server, {"v": b"1", "job": msgpack.packb(job), "a": b"2"})
+    xadd_raw(server, {"v": b"2", "job": msgpack.packb(job), "a": b"2"})
     end = wait_for(lambda: terminal(server, job_id), timeout=30, what="the error event")
     assert (end["type"], end["code"], end["attempt"]) == ("error", "unknown_field", 3)
     with pytest.raises(JobError) as exc:
-        Client(server.url).job(job_id).result(timeout=5)
+        Client(server.url).job(job_id, "tiny").result(timeout=5)
     assert exc.value.code == "unknown_field"
 
 
 @pytest.mark.parametrize("fields, code", [
-    ({"v": b"1", "job": b"\xc1 not msgpack"}, "malformed"),
-    ({"v": b"1", "job": msgpack.packb(raw_job("has space"))}, "bad_id"),
+    ({"v": b"2", "job": b"\xc1 not msgpack"}, "malformed"),
+    ({"v": b"2", "job": msgpack.packb(raw_job("has space"))}, "bad_id"),
     ({"v": b"9", "job": msgpack.packb(raw_job("v9"))}, "bad_version"),
     ({"x": b"1"}, "unknown_field"),
 ])
@@ -292,7 +292,7 @@ def test_a_job_delivered_more_than_max_attempts_is_dead_lettered(
     three deliveries; the worker reclaims it as the 4th delivery and dead-letters it unrun."""
     conn = server.client()
     pipe = conn.pipeline(transaction=True)  # the ghost reads it before the worker can
-    pipe.xadd(JOBS_KEY, {"v": b"1", "job": msgpack.packb(raw_job("poison"))})
+    pipe.xadd(JOBS_KEY, {"v": b"2", "job": msgpack.packb(raw_job("poison"))})
     pipe.xreadgroup("workers", "ghost", {JOBS_KEY: ">"}, count=1)
     entry = pipe.execute()[0].decode()
     for _ in range(2):
@@ -349,7 +349,7 @@ def test_fuzzed_payloads_interleaved_with_good_jobs(server: RedisServer, worker:
     good = []
     for payload in payloads:
         body, job_id = _with_unique_id(payload)
-        sent.append((xadd_raw(server, {"v": b"1", "job": body}), job_id))
+        sent.append((xadd_raw(server, {"v": b"2", "job": body}), job_id))
         good.append(client.submit("the quick", {"temperature": 0, "max_tokens": 3},
                                   model="tiny"))
     for job in good:
@@ -400,7 +400,7 @@ def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProc
     # Given up on: cancelled, so a worker that starts later does not run it for no one.
     assert lost.stderr.rstrip().endswith(f"({warning}; the job waits in its queue until one "
                                          "starts); cancelled it"), lost.stderr
-    assert server.client().exists(KEYS.cancel("lost-1")) == 1
+    assert server.client().exists(KEYS.cancel("lost-1", "nobody")) == 1
     status = json.loads(genq("status", "--json", "--redis", server.url).stdout)
     assert [(q["model"], q["length"], q["lag"], q["consumers"]) for q in status["queues"]] == [
         ("nobody", 1, 1, 0), ("tiny", 0, 0, 1)]

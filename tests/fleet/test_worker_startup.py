@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet.harness import REPO, RedisServer, WorkerFactory, free_port, wait_for
+from tests.fleet.harness import (
+    REPO,
+    RedisServer,
+    WorkerFactory,
+    free_port,
+    register_heartbeat,
+    wait_for,
+)
 
 
 def test_a_directory_without_a_model_stops_the_worker_with_one_line(
@@ -83,8 +90,9 @@ def test_a_command_that_cannot_reach_redis_says_so_in_one_line(command: list[str
                                      ["gateway"]])
 @pytest.mark.parametrize("flag, value, error", [
     ("--redis", "localhost:6379", "argument --redis: bad Redis URL (?://...): no scheme. Use "
-                                  "redis://host:port/db, rediss://..., unix:///path.sock, or "
-                                  "redis+sentinel://host:port[,host:port]/service_name[/db]"),
+                                  "redis://host:port/db, rediss://..., unix:///path.sock, "
+                                  "redis+sentinel://host:port[,host:port]/service_name[/db], or "
+                                  "redis+cluster://host:port[,host:port]"),
     ("--prefix", "a b", "argument --prefix: key prefix 'a b' must be 1-128 characters from "
                         "[A-Za-z0-9_.:-]"),
 ])
@@ -106,8 +114,8 @@ def test_status_counts_only_consumers_whose_worker_is_alive(redis_server: RedisS
     conn.xgroup_create(keys.jobs("m"), keys.group, id="0", mkstream=True)
     for name in ("alive", "gone"):
         conn.xgroup_createconsumer(keys.jobs("m"), keys.group, name)
-    conn.set(keys.worker("alive"), b"x", ex=60)
-    conn.xadd(keys.jobs("m"), {"v": "1", "job": "x"})
+    conn.set(keys.worker("m", "alive"), b"x", ex=60)
+    conn.xadd(keys.jobs("m"), {"v": "2", "job": "x"})
     [row] = queue_rows(conn, keys)
     assert row == {"model": "m", "length": 1, "lag": 1, "pending": 0, "dead": 0, "consumers": 1}
 
@@ -138,7 +146,7 @@ def test_status_shows_each_workers_prefix_cache_hit_rate(redis_server: RedisServ
              "plain": {"prefix_caching": False, "prefix_cache_hit_rate": 0.0},
              "older": {}}  # a worker of an earlier release says nothing of it
     for name, extra in beats.items():
-        conn.set(keys.worker(name), encode_heartbeat({"model": "m", "ts": 0.0, **extra}), ex=60)
+        register_heartbeat(conn, "m", name, encode_heartbeat({"model": "m", "ts": 0.0, **extra}))
     assert {r["name"]: r["prefix_hits"] for r in worker_rows(conn, keys)} == {
         "cached": "25%", "plain": "off", "older": "off"}
 

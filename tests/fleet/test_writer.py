@@ -9,13 +9,13 @@ import pytest
 import redis
 
 from producer.events import decode_event, encode_event, error_event, started_event, tokens_event
-from producer.protocol import REPLY_FIELD, Keys
+from producer.protocol import REPLY_FIELD, Keys, as_str
 from tests.fleet.harness import RedisServer
 from worker.batch import Batch, EventWrite, FinishWrite, coalesce, finish_args, finish_keys
 from worker.io_thread import Writer
-from worker.scripts import DEAD_LETTER_MAXLEN, FENCE_TTL_S, Scripts
+from worker.scripts import DEAD_LETTER_MAXLEN, FENCE_TTL_S, Scripts, reclaim_call
 
-KEYS = Keys()
+KEYS = Keys(model="m")  # (the jobs of the replies here: model m's)
 JOBS = KEYS.jobs("m")
 
 
@@ -44,7 +44,7 @@ def setup_group(server: RedisServer, consumer: str, count: int) -> list[str]:
     conn = server.client()
     conn.xgroup_create(JOBS, "workers", id="0", mkstream=True)
     for i in range(count):
-        conn.xadd(JOBS, {"v": b"1", "job": msgpack.packb({"id": f"j{i}"})})
+        conn.xadd(JOBS, {"v": b"2", "job": msgpack.packb({"id": f"j{i}"})})
     got = conn.xreadgroup("workers", consumer, {JOBS: ">"}, count=count)
     return [eid.decode() for eid, _ in got[0][1]]
 
@@ -101,15 +101,15 @@ def test_a_reply_key_that_is_not_a_stream_fails_only_its_own_job(
     (dead,) = conn.xrange(KEYS.dead("m"))
     fields = {k.decode(): v.decode() for k, v in dead[1].items()}
     assert fields == {
-        "reason": "its reply key genq:reply:j1 is not a stream (WRONGTYPE Operation against a "
+        "reason": "its reply key genq:reply:{m}:j1 is not a stream (WRONGTYPE Operation against a "
                   "key holding the wrong kind of value): its end could not be written",
         "code": "reply_unwritable", "entry": entries[1], "worker": "me"}
     assert conn.xlen(JOBS) == 0 and conn.xpending(JOBS, "workers")["pending"] == 0
     warnings = [r.getMessage() for r in caplog.records if entries[1] in r.getMessage()]
     assert warnings == [
-        f"entry {entries[1]}: its reply key genq:reply:j1 holds something other than a stream "
-        "(not genq's writing); its events are not written",
-        f"entry {entries[1]}: its reply key genq:reply:j1 is not a stream; the job is "
+        f"entry {entries[1]}: its reply key genq:reply:{{m}}:j1 holds something other than a "
+        "stream (not genq's writing); its events are not written",
+        f"entry {entries[1]}: its reply key genq:reply:{{m}}:j1 is not a stream; the job is "
         "dead-lettered (code reply_unwritable) instead of ending there"]
 
 
@@ -129,7 +129,7 @@ def test_reclaim_takes_only_entries_of_workers_without_a_heartbeat(
     entries = setup_group(redis_server, "alive", 2)
     conn = redis_server.client()
     conn.xclaim(JOBS, "workers", "dead", 0, [entries[1]])
-    conn.set(KEYS.worker("alive"), b"x", px=10_000)
+    conn.set(KEYS.worker("m", "alive"), b"x", px=10_000)
     claimed = reclaim(conn, "me")
     assert [(c[0].decode(), c[2]) for c in claimed] == [(entries[1], 3)]
     owners = {p["message_id"].decode(): p["consumer"]
@@ -143,9 +143,9 @@ def test_reclaim_takes_only_entries_of_workers_without_a_heartbeat(
 
 
 def reclaim(conn: redis.Redis, me: str, include_self: bool = False) -> list[list[object]]:
-    return Scripts(conn).reclaim(keys=[JOBS], args=[  # type: ignore[no-any-return]
-        "workers", me, KEYS.worker_prefix, 10, "1" if include_self else "0",
-        KEYS.fence_prefix("m"), FENCE_TTL_S])
+    consumers = [as_str(c["name"]) for c in conn.xinfo_consumers(JOBS, "workers")]
+    keys, args = reclaim_call(KEYS, "m", me, consumers, 10, include_self)
+    return Scripts(conn).reclaim(keys=keys, args=args)  # type: ignore[no-any-return]
 
 
 def fenced_writer(conn: redis.Redis) -> Writer:
@@ -321,7 +321,7 @@ def test_after_a_claim_an_entry_the_first_write_did_not_carry_is_checked_at_its_
     assert writer.lost.get_nowait() == (first, 1)
     write(second, "j1", 1)  # the counter stands still again, but `second` was not checked yet
     assert writer.lost.get_nowait() == (second, 1)
-    conn.xadd(JOBS, {"v": b"1", "job": msgpack.packb({"id": "j2"})})
+    conn.xadd(JOBS, {"v": b"2", "job": msgpack.packb({"id": "j2"})})
     ((_, [(third, _)]),) = conn.xreadgroup("workers", "me", {JOBS: ">"}, count=1)
     write(third.decode(), "j2", 0)  # a new entry: checked once, and it is ours
     writer.stop()
@@ -357,7 +357,7 @@ def test_the_dead_letter_stream_keeps_about_the_newest_ten_thousand(
     conn.xgroup_create(JOBS, "workers", id="0", mkstream=True)
     pipe = conn.pipeline(transaction=False)
     for _ in range(count):
-        pipe.xadd(JOBS, {"v": b"1", "job": b"bad"})
+        pipe.xadd(JOBS, {"v": b"2", "job": b"bad"})
     pipe.execute()
     got = conn.xreadgroup("workers", "me", {JOBS: ">"}, count=count)
     entry_ids = [eid.decode() for eid, _ in got[0][1]]
@@ -373,3 +373,38 @@ def test_the_dead_letter_stream_keeps_about_the_newest_ten_thousand(
     assert newest[b"entry"].decode() == entry_ids[-1]
     assert oldest[b"entry"].decode() == entry_ids[count - length]
     assert conn.xlen(JOBS) == 0  # (every entry acked and deleted)
+
+
+def test_a_write_refused_for_good_counts_a_failed_attempt_of_its_job_only(
+        redis_server: RedisServer) -> None:
+    """A worker user that may not write j1's reply key (any lasting refusal: an ACL, a cluster's
+    CROSSSLOT): j0, written in the same pipeline, gets its events; j1's attempt counts as failed
+    (a delivery more, handed back as lost, so the worker runs it again as its next attempt and
+    past --max-attempts dead-letters it). That dead-lettering, refused at j1's reply key too,
+    writes the dead letter and the ack alone."""
+    first, second = setup_group(redis_server, "me", 2)
+    admin = redis_server.client()
+    admin.execute_command("ACL", "SETUSER", "narrow", "on", ">pw", "resetkeys", "~genq:jobs:*",
+                          "~genq:dead:*", "~genq:idem:*", "~genq:reply:{m}:j0", "+@all")
+    conn = redis.Redis(port=redis_server.port, username="narrow", password="pw", protocol=2)
+    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer.start()
+    writer.submit(Batch(events=[
+        EventWrite(first, 1, KEYS.reply("j0"), [started_event(1, "me")]),
+        EventWrite(second, 1, KEYS.reply("j1"), [started_event(1, "me")])]))
+    writer.flush()
+    assert writer.lost.get_nowait() == (second, 1) and writer.lost.empty()
+    assert [e["type"] for e in events_of(redis_server, "j0")] == ["started"]
+    pending = admin.xpending_range(JOBS, "workers", "-", "+", 10)
+    assert [(p["message_id"].decode(), p["times_delivered"]) for p in pending] == [
+        (first, 1), (second, 2)]
+    writer.submit(Batch(finishes=[FinishWrite(
+        second, 2, KEYS.reply("j1"), encode_event(error_event(2, "max_attempts", "x")),
+        dead_fields=["code", "max_attempts", "entry", second], idem_key=KEYS.idem("j1"))]))
+    writer.flush()
+    writer.stop()
+    assert writer.finished.get_nowait() == second
+    assert [(f[b"code"], f[b"entry"].decode()) for _, f in admin.xrange(KEYS.dead("m"))] == [
+        (b"max_attempts", second)]
+    assert [p["message_id"].decode() for p in admin.xpending_range(
+        JOBS, "workers", "-", "+", 10)] == [first]

@@ -19,7 +19,7 @@ from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer
 from worker.writer_process import Frames, WriterProcess
 
-KEYS = Keys()
+KEYS = Keys(model="m")  # (the jobs of the replies here: model m's)
 
 
 def drain(q: object) -> list[str]:

@@ -31,10 +31,12 @@ PASSWORDS = {"genq-worker": "worker-secret", "genq-producer": "producer-secret",
 # commands are the submit script's, and XREAD stays limited to reply streams (a producer cannot
 # read other applications' prompts from a job stream).
 # Workers: consume the job stream (XREADGROUP, fenced XACK/XDEL and XCLAIM in Lua), write reply
-# streams, dead letters and their heartbeat, read cancel flags and the cancel channel.
+# streams, dead letters and their heartbeat (and their name in the registry), read cancel flags
+# and their model's cancel channel (a shard channel).
 # Producers (Client, AsyncClient, the Celery bridge): enqueue through the idempotent submit
-# script, read reply streams, set cancel flags and publish cancels.
-# The gateway: a producer that also lists live workers' heartbeats and reads queue depths, and
+# script, read reply streams, set cancel flags and publish cancels (SPUBLISH).
+# The gateway: a producer that also lists live workers (the registry's sets and heartbeats) and
+# reads queue depths, and
 # keeps the Batch API's batches, file objects and leases (BATCH_SELECTOR).
 _SUBMIT = "(~genq:jobs:* ~genq:idem:* +evalsha +xadd +set +expire)"
 # Client.results' last-entry script; EXISTS: whether an unread result expired (reply_expired)
@@ -45,19 +47,19 @@ BATCH_SELECTOR = ("(~genq:batch* ~genq:file:* +hset +hget +hmget +hexists +hsetn
 ACL_RULES: dict[str, tuple[str, ...]] = {
     "genq-worker": (
         "resetkeys", "~genq:jobs:*", "~genq:reply:*", "~genq:dead:*", "~genq:worker:*",
-        "~genq:fence:*", "%R~genq:cancel:*", "~genq:idem:*", "resetchannels", "&genq:cancel",
+        "~genq:fence:*", "%R~genq:cancel:*", "~genq:idem:*", "resetchannels", "&genq:cancel:*",
         "-@all",
         "+xreadgroup", "+xack", "+xdel", "+xadd", "+xclaim", "+xpending", "+xinfo|consumers",
         "+xgroup|create", "+xgroup|delconsumer", "+evalsha", "+script|load", "+script|exists",
-        "+set", "+get", "+incr", "+exists", "+expire", "+del", "+subscribe"),
+        "+set", "+get", "+incr", "+exists", "+expire", "+del", "+sadd", "+srem", "+ssubscribe"),
     "genq-producer": (
-        "resetkeys", "%R~genq:reply:*", "%W~genq:cancel:*", "resetchannels", "&genq:cancel",
-        "-@all", "+xread", "+set", "+publish", "+script|load", "+script|exists", _SUBMIT,
+        "resetkeys", "%R~genq:reply:*", "%W~genq:cancel:*", "resetchannels", "&genq:cancel:*",
+        "-@all", "+xread", "+set", "+spublish", "+script|load", "+script|exists", _SUBMIT,
         RESULTS_SELECTOR, ENDED_SELECTOR),
     "genq-gateway": (
         "resetkeys", "%R~genq:reply:*", "%W~genq:cancel:*", "%R~genq:worker:*", "resetchannels",
-        "&genq:cancel", "-@all", "+xread", "+set", "+publish", "+script|load",
-        "+script|exists", "+scan", "+mget", _SUBMIT, RESULTS_SELECTOR, ENDED_SELECTOR,
+        "&genq:cancel:*", "-@all", "+xread", "+set", "+spublish", "+script|load",
+        "+script|exists", "+smembers", "+mget", _SUBMIT, RESULTS_SELECTOR, ENDED_SELECTOR,
         "(%R~genq:jobs:* +xinfo|groups +xlen)", BATCH_SELECTOR),
 }
 

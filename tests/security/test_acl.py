@@ -29,7 +29,7 @@ from tests.fleet.harness import (
 from tests.security.conftest import Oracle
 from tests.security.secure_redis import ACL_RULES, ADMIN_PASSWORD, SecureRedis, acl_line
 
-KEYS = Keys()
+KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 JOBS_KEY = KEYS.jobs("tiny")
 GREEDY = {"temperature": 0, "max_tokens": 4}
 NO_CMD = "this user has no permissions to run the '{}' command"
@@ -86,7 +86,7 @@ def test_worker_and_producer_run_jobs_through_their_users(
     admin = server.client()
     with Client(server.url_for("genq-producer")) as client:
         # the ghost's job: reclaimed by the worker, and the ghost consumer deleted afterwards
-        assert outputs(client.job("ghostjob").result(timeout=60)) == oracle(
+        assert outputs(client.job("ghostjob", "tiny").result(timeout=60)) == oracle(
             ["held by a ghost"], GREEDY)[0]
         wait_for(lambda: [c["name"] for c in admin.xinfo_consumers(JOBS_KEY, "workers")]
                  == [b"w1"], timeout=30, what="the ghost consumer deleted")
@@ -103,17 +103,17 @@ def test_worker_and_producer_run_jobs_through_their_users(
         # the ended mark: written by the worker's finish script, read by the producer
         assert client.redis.mget([KEYS.idem(j.id) for j in [single, *many]]) == [b"ended"] * 3
 
-        # cancel: SET of the cancel flag + PUBLISH on genq:cancel (producer), received by the
-        # worker's listener (SUBSCRIBEd at start), which remembers it until the job is read.
+        # cancel: SET of the cancel flag + SPUBLISH on genq:cancel:{tiny} (producer), received by
+        # the worker's listener (SSUBSCRIBEd at start), which remembers it until the job is read.
         # Cancelled before it is submitted, so the outcome does not race the generation.
-        client.cancel("cancelled-early")
+        client.cancel("cancelled-early", "tiny")
         early = client.submit("never runs", GREEDY, model="tiny", job_id="cancelled-early")
         with pytest.raises(JobError) as err:
             early.result(timeout=60)
         assert (err.value.code, err.value.message) == ("cancelled", "cancelled by the client")
 
     # input without a valid id: the worker dead-letters it (XADD on genq:dead:tiny in Lua)
-    entry = admin.xadd(JOBS_KEY, {"v": b"1", "job": msgpack.packb({"id": "a b"})}).decode()
+    entry = admin.xadd(JOBS_KEY, {"v": b"2", "job": msgpack.packb({"id": "a b"})}).decode()
     dead = wait_for(lambda: admin.xrange(KEYS.dead("tiny")), timeout=30, what="a dead letter")
     assert [(f[b"entry"].decode(), f[b"code"]) for _id, f in dead] == [(entry, b"bad_id")]
     assert server.acl_log() == []
@@ -149,7 +149,7 @@ def denied(call: Callable[[], object]) -> str:
 
 def test_the_producer_user_can_touch_nothing_else(server: SecureRedis) -> None:
     p = server.as_user("genq-producer")
-    server.client().xadd(JOBS_KEY, {"v": b"1", "job": b"someone's prompt"})
+    server.client().xadd(JOBS_KEY, {"v": b"2", "job": b"someone's prompt"})
     # other applications' keys and the server itself
     assert denied(lambda: p.get("otherkey")) == NO_KEY  # (GET, MGET: idem keys' ended marks)
     assert denied(lambda: p.mget(["otherkey"])) == NO_KEY
@@ -169,10 +169,10 @@ def test_the_producer_user_can_touch_nothing_else(server: SecureRedis) -> None:
     assert denied(lambda: p.xread({JOBS_KEY: "0"})) == NO_KEY
     assert denied(lambda: p.xrange(JOBS_KEY)) == NO_CMD.format("xrange")
     assert denied(lambda: p.xadd(KEYS.reply("victim"), {"e": b"forged"})) == NO_KEY
-    assert denied(lambda: p.set(KEYS.worker("w1"), b"forged", ex=60)) == NO_KEY
+    assert denied(lambda: p.set(KEYS.worker("tiny", "w1"), b"forged", ex=60)) == NO_KEY
     assert denied(lambda: p.xreadgroup("workers", "thief", {JOBS_KEY: ">"})) == NO_CMD.format(
         "xreadgroup")
-    assert denied(lambda: p.publish("other-channel", "x")) == NO_CHANNEL
+    assert denied(lambda: p.spublish("other-channel", "x")) == NO_CHANNEL
     # a script runs as its caller: loading one does not widen what the user may do
     read_other = p.script_load("return redis.call('GET', KEYS[1])")
     assert denied(lambda: p.evalsha(read_other, 1, "otherkey")) == NO_KEY
@@ -228,7 +228,7 @@ def test_a_worker_whose_acl_predates_the_ended_marks_still_finishes_its_jobs(
         with Client(server.url_for("genq-producer")) as client:
             jobs = [client.submit(p, GREEDY, model="legacy") for p in prompts]
             assert [outputs(job.result(timeout=60)) for job in jobs] == oracle(prompts, GREEDY)
-        assert [server.client().get(KEYS.idem(job.id)) for job in jobs] == [b"1", b"1"]
+        assert [server.client().get(KEYS.idem(job.id, "legacy")) for job in jobs] == [b"1", b"1"]
         assert "may not use genq:idem:* keys" in proc.output()
     finally:
         factory.stop_all()
@@ -239,5 +239,5 @@ def test_a_worker_stops_cleanly_under_its_user(server: SecureRedis,
     """SIGTERM: drain, DEL of the heartbeat; last, since it stops the module's worker."""
     server.client().execute_command("ACL", "LOG", "RESET")
     assert worker.terminate(timeout=60) == 0
-    assert server.client().exists(KEYS.worker("w1")) == 0
+    assert server.client().exists(KEYS.worker("tiny", "w1")) == 0
     assert server.acl_log() == []

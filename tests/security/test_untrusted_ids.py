@@ -20,7 +20,7 @@ from tests.fleet.harness import WorkerProcess, wait_for
 from tests.security.conftest import Oracle
 from tests.security.secure_redis import SecureRedis
 
-KEYS = Keys()
+KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 JOBS_KEY = KEYS.jobs("tiny")
 DEAD_KEY = KEYS.dead("tiny")
 PARAMS = {"temperature": 0, "max_tokens": 2}
@@ -73,12 +73,12 @@ def test_hostile_ids_never_lead_the_worker_outside_its_keys(
     server, worker = tls_fleet
     conn = server.client()
     before = all_keys(conn)
-    invalid = {conn.xadd(JOBS_KEY, {"v": b"1", "job": job(i)}).decode(): (i, reason)
+    invalid = {conn.xadd(JOBS_KEY, {"v": b"2", "job": job(i)}).decode(): (i, reason)
                for i, reason in INVALID_IDS}
     for job_id in VALID_ODD_IDS:
-        conn.xadd(JOBS_KEY, {"v": b"1", "job": job(job_id)})
+        conn.xadd(JOBS_KEY, {"v": b"2", "job": job(job_id)})
     for job_id, model, _ in BAD_MODELS:
-        conn.xadd(JOBS_KEY, {"v": b"1", "job": job(job_id, model)})
+        conn.xadd(JOBS_KEY, {"v": b"2", "job": job(job_id, model)})
     ends = [*VALID_ODD_IDS, *(m[0] for m in BAD_MODELS)]
 
     def finished() -> bool:
@@ -117,6 +117,6 @@ def test_hostile_ids_never_lead_the_worker_outside_its_keys(
     assert conn.xlen(KEYS.dead("other")) == 0 and conn.xlen(KEYS.jobs("other")) == 0
     after = all_keys(conn)
     assert {k for k in after if not k.startswith(("genq:reply:", "genq:idem:"))} == {
-        JOBS_KEY, DEAD_KEY, KEYS.worker(worker.name)}
+        JOBS_KEY, DEAD_KEY, KEYS.worker("tiny", worker.name), KEYS.workers("tiny"), KEYS.models}
     assert [k for k in after if conn.ttl(k) < 0] == []
     assert list(conn.info("keyspace")) == ["db0"]
