@@ -27,7 +27,7 @@ from producer.protocol import (
     started_event,
     tokens_event,
 )
-from tests.fleet.harness import RedisServer, free_port
+from tests.harness.fleet import RedisServer, free_port
 
 KEYS = Keys()
 JOBS = KEYS.jobs("tiny")

@@ -25,8 +25,8 @@ from producer.protocol import (
     started_event,
     tokens_event,
 )
-from tests.ecosystem.gateway_harness import GatewayProcess
-from tests.fleet.harness import RedisServer, wait_for
+from tests.harness.fleet import RedisServer, wait_for
+from tests.harness.gateway import GatewayProcess
 
 KEYS = Keys()
 JOBS = KEYS.jobs("tiny")

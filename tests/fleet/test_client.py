@@ -22,7 +22,7 @@ from producer.protocol import (
     started_event,
     tokens_event,
 )
-from tests.fleet.harness import REPO, RedisServer, wait_for
+from tests.harness.fleet import REPO, RedisServer, wait_for
 
 KEYS = Keys()
 

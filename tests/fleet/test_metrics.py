@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from producer import Client, JobError
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     RedisServer,
     WorkerFactory,
     free_port,

@@ -13,9 +13,15 @@ import pytest
 
 from producer import Client
 from producer.protocol import Keys, decode_heartbeat
-from tests.fleet.harness import RedisServer, WorkerFactory, reply_events, wait_for, wait_heartbeats
-from tests.fleet.test_fleet import pending_of
-from tests.tiny_models import corpus
+from tests.harness.fleet import (
+    RedisServer,
+    WorkerFactory,
+    pending_of,
+    reply_events,
+    wait_for,
+    wait_heartbeats,
+)
+from tests.harness.models import corpus
 
 JOBS_KEY = Keys().jobs("tiny")
 

@@ -9,17 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from producer import Client
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     Expected,
     RedisServer,
     WorkerFactory,
     as_expected,
     reply_events,
+    stream_all,
+    streamed_tokens,
     wait_for,
     wait_heartbeats,
 )
-from tests.fleet.test_fleet import stream_all, streamed_tokens
-from tests.tiny_models import corpus
+from tests.harness.models import corpus
 from worker.loop import _FINAL_FLUSH_S
 
 Oracle = Callable[[list[str], Any], list[Expected]]

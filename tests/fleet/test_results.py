@@ -22,8 +22,8 @@ from producer.protocol import (
     tokens_event,
 )
 from producer.results import _SCRIPT_REFUSED, pass_interval
-from tests.fleet.harness import RedisServer
-from tests.security.secure_redis import ACL_RULES, PASSWORDS, RESULTS_SELECTOR
+from tests.harness.fleet import RedisServer
+from tests.harness.secure_redis import ACL_RULES, PASSWORDS, RESULTS_SELECTOR
 
 KEYS = Keys()
 GARBAGE = b"\xc1 not an event"  # 0xc1 is never valid MessagePack

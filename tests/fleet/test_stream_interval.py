@@ -15,7 +15,7 @@ import pytest
 from engine.outputs import CompletionOutput, RequestOutput
 from producer import Client
 from producer.protocol import JobSpec
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     RedisServer,
     WorkerProcess,
     reply_events,

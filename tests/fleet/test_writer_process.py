@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from producer.protocol import Keys, encode_event, error_event, started_event, tokens_event
-from tests.fleet.harness import REPO, RedisServer, wait_for
-from tests.fleet.test_writer import JOBS, events_of, setup_group
+from tests.harness.fleet import REPO, RedisServer, wait_for
+from tests.harness.writer import JOBS, events_of, setup_group
 from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer
 from worker.writer_process import Frames, WriterProcess

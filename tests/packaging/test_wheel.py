@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet.harness import RedisServer, WorkerProcess, wait_heartbeats
+from tests.harness.fleet import RedisServer, WorkerProcess, wait_heartbeats
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ("pyproject.toml", "README.md", "engine", "worker", "producer", "cuda")
