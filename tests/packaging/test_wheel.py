@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,11 +74,9 @@ def served_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = site_packages(venv)
     run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
          "--target", target, wheel], venv.parent)
-    # The runner's environment after the venv's own site-packages (which holds genq): the
-    # checkout is left out, and .pth files there (the editable install's) are not read.
-    paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-             *os.environ.get("PYTHONPATH", "").split(os.pathsep)}
-    lines = sorted(p for p in paths if p and Path(p).is_dir() and Path(p).resolve() != ROOT)
+    # The runner's import path after the venv's own site-packages (which holds genq): the
+    # checkout is left out, and .pth files in those folders (an editable install's) are not read.
+    lines = [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != ROOT]
     (target / "runner-environment.pth").write_text("\n".join(lines) + "\n")
     return venv
 
