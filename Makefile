@@ -2,8 +2,8 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-# What each target needs, installed once: the demo only the base package (engine, worker,
-# client) on CPU torch; tests and lint every extra.
+# What each target needs, installed once: the demo the worker extra (engine, worker and the
+# client) on CPU torch; tests and lint every extra but gpu (CuPy, for a CUDA device).
 BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 # Where torch's CPU wheel comes from: pip's own indexes by default (they serve the CPU build
@@ -20,11 +20,11 @@ $(BASE_STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet --upgrade pip
 	# The CPU wheel first: anything else would pull a multi-GB CUDA build.
 	$(VPY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
-	$(VPY) -m pip install --quiet -e .
+	$(VPY) -m pip install --quiet -e '.[worker]'
 	touch $(BASE_STAMP)
 
 $(STAMP): $(BASE_STAMP)
-	$(VPY) -m pip install --quiet -e '.[test,kernels,gateway,celery,structured]'
+	$(VPY) -m pip install --quiet -e '.[test,worker,kernels,gateway,celery,structured]'
 	touch $(STAMP)
 
 redis-server:

@@ -116,7 +116,8 @@ def measure(url: str, nodes: list[Any], models: list[str], args: argparse.Namesp
 
 def main() -> None:
     from tests.fleet.clusters import RedisClusterSet
-    from tests.fleet.harness import RedisServer
+
+    from tests.harness.fleet import RedisServer
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -281,7 +281,7 @@ def engine_alone(model_dir: Path, num_jobs: int = 256, max_tokens: int = 64,
 def tiny_model(tmp: Path, minimal: bool = False) -> Path:
     """The tests' tiny random Llama (2 layers, hidden 64); `minimal`: 1 layer, hidden 16, one
     head, so the forward pass costs next to nothing and what is left is the fleet's own work."""
-    from tests.tiny_models import build_model, build_tokenizer
+    from tests.harness.models import build_model, build_tokenizer
 
     tok = tmp / "tokenizer"
     tok.mkdir()

@@ -11,7 +11,7 @@
     the first send to the last result.
 
 Everything runs against its own redis-server on a free port and ONE genq worker process on the
-CPU (the tiny random Llama of tests/tiny_models.py); every process started here is stopped at
+CPU (the tiny random Llama of tests/harness/models.py); every process started here is stopped at
 the end. Rounds alternate the four measurements so all see the same machine; (1)'s two orders
 swap every round. Nothing is asserted here.
 

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 # Imported before anything runs, so that a package the lent machine lacks shows at once.
 from engine import LLM, SamplingParams
 from engine.attention.kernel_check import KernelCheckError, check_kernels
-from tests.tiny_models import build_kernel_llama
+from tests.harness.models import build_kernel_llama
 
 VARIANTS = ((torch.float32, 64, 16), (torch.bfloat16, 128, 16))  # the smoke model's, a served one
 NUM_PROMPTS, MAX_TOKENS = 4, 16

@@ -2,7 +2,7 @@
 
     python -m benchmarks.prefix_caching [--requests 256] [--system 320] [--rounds 3]
 
-The tests' tiny random Llama (2 layers, hidden 64, 512 positions; tests/tiny_models.py). Each
+The tests' tiny random Llama (2 layers, hidden 64, 512 positions; tests/harness/models.py). Each
 request is one system prompt of --system random tokens plus a distinct suffix of 8-32 random
 tokens, greedy, --max-tokens output tokens, all submitted at once. Two engines with the same
 configuration but enable_prefix_caching, rounds alternating between them (the order flips each

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 _GIB = 1 << 30
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-PREEMPTION_MODES = ("auto", "recompute", "swap")
-OUTPUT_KINDS = ("cumulative", "delta")
-SCHEDULING_POLICIES = ("fcfs", "priority")
-ATTENTION_BACKENDS = ("torch", "cupy", "cuda-shim")
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+PreemptionMode = Literal["auto", "recompute", "swap"]
+OutputKind = Literal["cumulative", "delta"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+AttentionBackend = Literal["torch", "cupy", "cuda-shim"]
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
+PREEMPTION_MODES: tuple[PreemptionMode, ...] = get_args(PreemptionMode)
+OUTPUT_KINDS: tuple[OutputKind, ...] = get_args(OutputKind)
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = get_args(SchedulingPolicy)
+ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = get_args(AttentionBackend)
+# A swap_space this large (1 TiB) was a byte count in an older release: refused, not misread.
+_MAX_SWAP_GIB = 1024
 
 
 @dataclass(frozen=True)
@@ -18,12 +26,12 @@ class EngineConfig:
     device: str = "cpu"
     # "auto": the checkpoint's dtype, bfloat16 on CUDA for a float32 checkpoint (see
     # engine.models.loader.resolve_dtype); the Engine replaces it with the dtype it runs in.
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int = 4 * _GIB  # bytes of KV cache on the CPU
     gpu_memory_utilization: float = 0.9  # fraction of free device memory on CUDA
-    swap_space: float = 4.0  # host swap space: GiB when < 1024, else bytes
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (vLLM's unit)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -37,17 +45,17 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     max_model_len: int | None = None
     seed: int = 0
-    preemption_mode: str = "auto"
+    preemption_mode: PreemptionMode = "auto"
     # "fcfs": requests run in arrival order. "priority" (vLLM's): in (priority, arrival) order,
     # lower priority values first; a more urgent arrival preempts less urgent running requests
     # when the cache cannot take it.
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     watermark: float = 0.01
     artificial_preemption_prob: float = 0.0
     artificial_preemption_seed: int = 0
     artificial_preemption_max: int = 500
     # "torch" | "cupy" | "cuda-shim" (the CUDA kernels on the CPU); None picks by device.
-    attention_backend: str | None = None
+    attention_backend: AttentionBackend | None = None
     num_threads: int | None = None  # torch intra-op threads on the CPU
     # Every step's outputs carry the text so far (streaming). Off: text is decoded once at the
     # end (requests with stop strings still decode as they go); the offline LLM turns it off.
@@ -56,7 +64,7 @@ class EngineConfig:
     # RequestOutputKind.DELTA, engine-wide): only what is new since the request's last output;
     # the deltas concatenate to the cumulative output (text that a stop string may still cut
     # is held back until it cannot). Ranked requests (best_of > n, beam search) output once, whole.
-    output_kind: str = "cumulative"
+    output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,7 +81,12 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
         if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.swap_space >= _MAX_SWAP_GIB:
+            raise ValueError(f"swap_space is in GiB: {self.swap_space:.0f} GiB is beyond any host "
+                             "(a byte count, as older releases took, is no longer accepted); "
+                             f"{self.swap_space:.0f} bytes is swap_space="
+                             f"{self.swap_space / _GIB:g}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -100,4 +113,4 @@ class EngineConfig:
 
     @property
     def swap_space_bytes(self) -> int:
-        return int(self.swap_space * _GIB) if self.swap_space < 1024 else int(self.swap_space)
+        return int(self.swap_space * _GIB)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.resources
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,7 +51,26 @@ from engine.kernel_plans import (  # noqa: F401  (re-exported: callers plan thro
     supports,
 )
 
-CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
+
+def package_dir(package: str) -> Path:
+    """A package's folder on disk, through importlib.resources: the compilers (NVRTC, nvcc, g++)
+    read the kernel sources as files, so an install that is not plain files is refused."""
+    folder = importlib.resources.files(package)
+    if not isinstance(folder, Path):
+        raise RuntimeError(f"genq's kernel sources must be files on disk, but {package} is "
+                           f"loaded from {folder!r}: install genq unzipped (pip install does)")
+    return folder
+
+
+def find_cuda_dir() -> Path:
+    """The kernel sources: a wheel ships the top-level cuda/ as engine/cuda_sources (package data,
+    pyproject.toml maps it); a checkout, editable install or not, has it beside engine/."""
+    engine_dir = package_dir("engine")
+    shipped = engine_dir / "cuda_sources"
+    return shipped if shipped.is_dir() else engine_dir.parent / "cuda"
+
+
+CUDA_DIR = find_cuda_dir()
 
 
 @functools.cache

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 _INT_LIMIT = 2**63 - 1
-_GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+GrammarKind = Literal["json", "regex", "choice", "grammar", "json_object"]
+_GRAMMAR_KINDS: tuple[GrammarKind, ...] = get_args(GrammarKind)
 MIN_TEMPERATURE = 0.01  # a positive temperature below this samples at this one (vLLM)
 
 
@@ -41,7 +42,7 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.json_object must be true when given")
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> GrammarKind:
         return next(k for k in _GRAMMAR_KINDS if getattr(self, k) not in (None, False))
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,7 +69,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    early_stopping: bool | str = False
+    early_stopping: bool | Literal["never"] = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None

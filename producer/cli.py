@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -32,6 +33,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run-batch": ("producer.run_batch:main", "an OpenAI batch file through the queue (vLLM's "
                   "run-batch)"),
 }
+# The extra of the genq distribution a command needs beyond the base install (the client), and
+# modules that extra brings: without them the command names the install line instead of failing
+# on an import.
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "worker": ("worker", ("torch", "transformers", "safetensors", "tokenizers", "numpy", "tqdm",
+                          "prometheus_client")),
+    "gateway": ("gateway", ("fastapi", "uvicorn", "pydantic")),
+    "run-batch": ("gateway", ("pydantic",)),
+    "celery-bridge": ("celery", ("celery",)),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"genq: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    missing = missing_extra(name)
+    if missing is not None:
+        print(f"genq {name}: {missing}", file=sys.stderr)
+        return 1
     module_name, func_name = COMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     try:
@@ -54,6 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"genq {name}: cannot reach Redis ({exc}); is redis-server running at the URL "
               "given by --redis / GENQ_REDIS?", file=sys.stderr)
         return 1
+
+
+def missing_extra(command: str) -> str | None:
+    """What to install for `command` when this install lacks its extra, else None."""
+    if command not in EXTRAS:
+        return None
+    extra, modules = EXTRAS[command]
+    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not absent:
+        return None
+    return (f"needs the '{extra}' extra, which this install lacks (no module "
+            f"{', '.join(absent)}): pip install 'genq[{extra}]'")
 
 
 def _usage() -> str:

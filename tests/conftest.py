@@ -7,15 +7,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.tiny_models import ARCHS, build_model, build_tokenizer
+from tests.harness.models import ARCHS, build_model, build_tokenizer
 
 if TYPE_CHECKING:
-    from tests.fleet.harness import RedisServer
+    from tests.harness.fleet import RedisServer
+    from tests.harness.oracle import Oracle, OracleOf
 
 # The fleet harness imports redis, which a lent GPU machine lacks (it has torch, cupy,
 # transformers, numpy and pytest only): it is imported where a test asks for Redis, so that
 # `pytest -m gpu tests/gpu` collects there.
-_HARNESS = "tests.fleet.harness"
+_HARNESS = "tests.harness.fleet"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -32,7 +33,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A real redis-server of the test's own, on a free port (fault tests kill and restart it)."""
-    from tests.fleet.harness import RedisServer
+    from tests.harness.fleet import RedisServer
 
     server = RedisServer(tmp_path)
     server.start()
@@ -57,3 +58,24 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
 @pytest.fixture(scope="session")
 def tiny_llama(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def oracle_of() -> OracleOf:
+    """The offline oracle of a model directory, built once per model per session."""
+    from tests.harness.oracle import Oracle
+
+    built: dict[Path, Oracle] = {}
+
+    def of(model: Path) -> Oracle:
+        if model not in built:
+            built[model] = Oracle(model)
+        return built[model]
+
+    return of
+
+
+@pytest.fixture(scope="session")
+def offline(oracle_of: OracleOf, tiny_llama: Path) -> Oracle:
+    """The offline oracle on tiny_llama: offline(prompts, params) -> [Expected per prompt]."""
+    return oracle_of(tiny_llama)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from producer.connection import NO_REPLICA_WAIT_ON_CLUSTER, parse
 from producer.limits import Limits
@@ -29,7 +30,8 @@ class WorkerConfig:
     metrics_port: int = 0  # Prometheus /metrics on this port; 0 = off
     metrics_host: str = "0.0.0.0"
     stream_interval: int = 1  # tokens per sequence per tokens event (the first goes at once)
-    writer: str = "process"  # token writes from a child process (its own GIL), or a thread
+    # token writes from a child process (its own GIL), or a thread
+    writer: Literal["process", "thread"] = "process"
     min_replicas: int = 0  # writes that end jobs wait until this many replicas hold them
 
     def __post_init__(self) -> None:

@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from prometheus_client import CollectorRegistry
+
 from producer.flags import DefaultsHelpFormatter, add_limit_args, add_redis_args, limits_from_args
 from worker.config import WorkerConfig
-from worker.metrics import MetricsServer, Registry
+from worker.metrics import MetricsServer
 
 
 def tune_gc() -> None:
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics_server = None
     if cfg.metrics_port:
         try:
-            metrics_server = MetricsServer(Registry(), cfg.metrics_host, cfg.metrics_port)
+            metrics_server = MetricsServer(CollectorRegistry(), cfg.metrics_host, cfg.metrics_port)
         except OSError as exc:
             print(f"genq worker: {metrics_bind_error(cfg.metrics_host, cfg.metrics_port, exc)}",
                   file=sys.stderr)

@@ -28,7 +28,7 @@ import torch
 from engine import kernels
 from engine.kernel_plans import DTYPE_NAMES, Dim3, KernelFn, Launch, Param, Variant
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+CSRC = kernels.package_dir("engine.attention") / "csrc"
 CXX = os.environ.get("CXX", "g++")
 # (No -Werror here: a user's newer compiler may warn where ours does not. The kernel tests add it.)
 BASE_FLAGS = ("-std=c++20", "-pthread", "-fno-strict-aliasing", "-Wall", "-Wextra",

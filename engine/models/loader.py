@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.config import DTYPES as CONFIG_DTYPES
+from engine.config import Dtype
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
 from engine.models.weights import SafetensorsWeights
@@ -45,8 +47,8 @@ def checkpoint_dtype(config: Any) -> str:
     return "float32" if value is None else str(value).removeprefix("torch.")
 
 
-def resolve_dtype(requested: str, config: Any, device: torch.device,
-                  bf16_supported: bool | None = None) -> str:
+def resolve_dtype(requested: Dtype, config: Any, device: torch.device,
+                  bf16_supported: bool | None = None) -> Dtype:
     """The dtype an engine runs in. "auto" is the checkpoint's dtype, with two exceptions on
     CUDA, as vLLM decides: a float32 checkpoint runs in bfloat16 (tensor cores, half the
     memory), and bfloat16 becomes float16 on a GPU without bfloat16 (before Ampere). On the CPU
@@ -56,9 +58,8 @@ def resolve_dtype(requested: str, config: Any, device: torch.device,
     (float64, int8) counts as float32. `bf16_supported` defaults to asking the device."""
     if requested != "auto":
         return requested
-    dtype = checkpoint_dtype(config)
-    if dtype not in DTYPES:
-        dtype = "float32"
+    found = checkpoint_dtype(config)
+    dtype: Dtype = next((d for d in CONFIG_DTYPES if d != "auto" and d == found), "float32")
     if device.type != "cuda":
         return dtype
     if dtype == "float32":

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from producer import Client, Job
-from tests.chaos.conftest import Oracle
-from tests.fleet.harness import RedisServer, WorkerFactory, as_expected, wait_for, wait_heartbeats
-from tests.tiny_models import corpus
+from tests.harness.fleet import RedisServer, WorkerFactory, as_expected, wait_for, wait_heartbeats
+from tests.harness.models import corpus
+from tests.harness.oracle import Oracle
 
 NUM_JOBS = 10_000
 BATCH = 500  # jobs per submit_many round trip
@@ -66,7 +66,7 @@ def run_jobs(client: Client, prompts: list[str]) -> tuple[list[dict[str, Any]], 
 
 @pytest.mark.chaos
 def test_10000_small_jobs_complete_and_redis_memory_returns_to_baseline(
-        tmp_path: Path, tiny_llama: Path, chaos_offline: Oracle) -> None:
+        tmp_path: Path, tiny_llama: Path, offline: Oracle) -> None:
     server = RedisServer(tmp_path)
     server.start()
     factory = WorkerFactory(tmp_path)
@@ -75,7 +75,7 @@ def test_10000_small_jobs_complete_and_redis_memory_returns_to_baseline(
                  for name in ("w1", "w2")]
         wait_heartbeats(server, procs)
         pool = corpus(50, seed=23)
-        want = dict(zip(pool, chaos_offline(pool, [PARAMS] * len(pool)), strict=True))
+        want = dict(zip(pool, offline(pool, [PARAMS] * len(pool)), strict=True))
         client = Client(server.url, idempotency_ttl=TTL_S)
 
         # Warm-up (scripts loaded, connections open), then the idle baseline once its keys expired.

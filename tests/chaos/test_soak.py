@@ -27,8 +27,7 @@ import redis
 from producer import Client
 from producer.events import TERMINAL_EVENT_TYPES
 from producer.protocol import Keys, decode_heartbeat, decode_job_entry
-from tests.chaos.conftest import Oracle
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     RedisServer,
     WorkerFactory,
     WorkerProcess,
@@ -36,7 +35,8 @@ from tests.fleet.harness import (
     reply_events,
     wait_for,
 )
-from tests.tiny_models import corpus
+from tests.harness.models import corpus
+from tests.harness.oracle import Oracle
 
 T = TypeVar("T")
 SEED = int(os.environ.get("GENQ_CHAOS_SEED", "2024"))  # victims, job mix; printed with figures
@@ -277,7 +277,7 @@ def check_job(rec: Record, raw: list[dict[str, Any]],
 
 @pytest.mark.chaos
 def test_soak_with_faults_loses_and_duplicates_nothing(
-        tmp_path: Path, tiny_llama: Path, chaos_offline: Oracle) -> None:
+        tmp_path: Path, tiny_llama: Path, offline: Oracle) -> None:
     server = RedisServer(tmp_path)
     server.start()
     factory = WorkerFactory(tmp_path)
@@ -314,7 +314,7 @@ def test_soak_with_faults_loses_and_duplicates_nothing(
         fleet.wait_serving()
 
         # ---- every job, from the client's side and from the reply stream
-        expected = chaos_offline([r.prompt for r in records], [r.params for r in records])
+        expected = offline([r.prompt for r in records], [r.params for r in records])
         raws = {r.job_id: reply_events(server, r.job_id) for r in records}
         problems = [p for rec, want in zip(records, expected, strict=True)
                     for p in check_job(rec, raws[rec.job_id], want)]

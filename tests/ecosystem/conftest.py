@@ -3,8 +3,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.ecosystem.gateway_harness import GatewayProcess
-from tests.fleet.harness import RedisServer
+from tests.harness.fleet import RedisServer
+from tests.harness.gateway import GatewayProcess
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,9 @@ import pytest
 
 from producer.events import decode_event
 from producer.protocol import REPLY_FIELD, Keys
-from tests.ecosystem.gateway_harness import GatewayProcess
-from tests.fleet.harness import RedisServer, serving_worker, wait_for
+from tests.harness.fleet import RedisServer, serving_worker, wait_for
+from tests.harness.gateway import GatewayProcess
+from tests.harness.oracle import Oracle
 
 LONG = 400  # tokens per line of the long batches: the worker (2 at a time) takes seconds
 
@@ -43,17 +44,9 @@ def gateway(fleet: tuple[RedisServer, Path], tmp_path: Path) -> Iterator[Gateway
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> Any:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=256, swap_space=0.01,
-              num_threads=1)
-
-    def run(prompts: list[str], params: dict[str, Any]) -> list[str]:
-        return [o.outputs[0].text for o in llm.generate(
-            prompts, SamplingParams.from_dict(params), use_tqdm=False)]
-
-    return run
+def offline_texts(offline: Oracle) -> Callable[[list[str], dict[str, Any]], list[str]]:
+    """The oracle's text of each prompt's first sequence."""
+    return lambda prompts, params: [seqs[0].text for seqs in offline.outputs(prompts, params)]
 
 
 def upload(client: openai.OpenAI, tmp: Path, lines: list[str]) -> str:
@@ -80,7 +73,7 @@ def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]
 
 
 def test_a_batch_completes_with_the_offline_answers_and_an_error_file(
-        gateway: GatewayProcess, offline: Any, tmp_path: Path) -> None:
+        gateway: GatewayProcess, offline_texts: Any, tmp_path: Path) -> None:
     client = gateway.openai()
     prompts = [f"def f{i}(" for i in range(6)]
     lines = [request(f"r{i}", p, max_tokens=10, temperature=0) for i, p in enumerate(prompts)]
@@ -97,7 +90,7 @@ def test_a_batch_completes_with_the_offline_answers_and_an_error_file(
     assert (done.request_counts.total, done.request_counts.completed,
             done.request_counts.failed) == (9, 6, 3)
     out = {o["custom_id"]: o for o in lines_of(client, done.output_file_id)}
-    want = offline(prompts, {"max_tokens": 10, "temperature": 0})
+    want = offline_texts(prompts, {"max_tokens": 10, "temperature": 0})
     assert {cid: o["response"]["body"]["choices"][0]["text"] for cid, o in out.items()} == \
         {f"r{i}": text for i, text in enumerate(want)}
     errors = lines_of(client, done.error_file_id)
@@ -142,7 +135,7 @@ def started_events(server: RedisServer, job_id: str) -> int:
 
 
 def test_a_gateway_killed_mid_batch_and_restarted_completes_it_once(
-        fleet: tuple[RedisServer, Path], offline: Any, tmp_path: Path) -> None:
+        fleet: tuple[RedisServer, Path], offline_texts: Any, tmp_path: Path) -> None:
     server, files = fleet
     first = GatewayProcess(server.url, tmp_path / "gw1.log", "--files-dir", str(files))
     batch_id = long_batch(first.openai(), tmp_path, 10, 2)
@@ -157,7 +150,7 @@ def test_a_gateway_killed_mid_batch_and_restarted_completes_it_once(
         second.stop()
     assert sorted(o["custom_id"] for o in out) == sorted(f"q{i}" for i in range(10))
     assert done.request_counts.completed == 10 and done.request_counts.failed == 0
-    want = offline([f"import os {i}" for i in range(10)],
+    want = offline_texts([f"import os {i}" for i in range(10)],
                    {"max_tokens": LONG, "temperature": 0, "ignore_eos": True})
     for o in out:
         assert o["response"]["body"]["choices"][0]["text"] == want[int(o["custom_id"][1:])]

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,8 @@ from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from producer.protocol import Keys
-from tests.fleet.harness import RedisServer, WorkerFactory, wait_for, wait_heartbeats
+from tests.harness.fleet import RedisServer, WorkerFactory, wait_for, wait_heartbeats
+from tests.harness.oracle import Oracle
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "hello world"
@@ -87,22 +88,15 @@ def celery_app(url: str, serializer: str) -> Celery:
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> Any:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=256, swap_space=0.01,
-              num_threads=1)
-
-    def run(prompt: str | list[int], params: dict[str, Any]) -> list[tuple[list[int], str]]:
-        [out] = llm.generate([prompt], SamplingParams.from_dict(params), use_tqdm=False)
-        return [(list(c.token_ids), c.text) for c in sorted(out.outputs, key=lambda c: c.index)]
-
-    return run
+def offline_pairs(offline: Oracle) -> Callable[[str | list[int], dict[str, Any]],
+                                               list[tuple[list[int], str]]]:
+    """One prompt's (token_ids, text) per sequence, from the oracle."""
+    return lambda prompt, params: [(ids, text) for ids, text, _ in offline([prompt], params)[0]]
 
 
 @pytest.mark.parametrize("serializer", ["json", "msgpack"])
 def test_get_returns_the_same_dict_as_job_result(redis_url: str, serializer: str,
-                                                 offline: Any) -> None:
+                                                 offline_pairs: Any) -> None:
     from producer import Client
 
     params = {"temperature": 0, "max_tokens": 8}
@@ -111,11 +105,11 @@ def test_get_returns_the_same_dict_as_job_result(redis_url: str, serializer: str
     got = result.get(timeout=60)
     with Client(redis_url) as genq:  # the genq job id is the Celery task id
         assert got == genq.job(result.id, "tiny").result(timeout=5)
-    assert [(o["token_ids"], o["text"]) for o in got["outputs"]] == offline(PROMPT, params)
+    assert [(o["token_ids"], o["text"]) for o in got["outputs"]] == offline_pairs(PROMPT, params)
 
 
 def test_token_id_prompts_and_seeded_n2_jobs_in_parallel_equal_the_offline_engine(
-        redis_url: str, offline: Any) -> None:
+        redis_url: str, offline_pairs: Any) -> None:
     app = celery_app(redis_url, "json")
     cases: list[tuple[str | list[int], dict[str, Any]]] = [
         ([5, 6, 7, 8], {"temperature": 0, "max_tokens": 6}),
@@ -126,7 +120,8 @@ def test_token_id_prompts_and_seeded_n2_jobs_in_parallel_equal_the_offline_engin
                for prompt, params in cases]
     for (prompt, params), result in zip(cases, results, strict=True):
         got = result.get(timeout=120)
-        assert [(o["token_ids"], o["text"]) for o in got["outputs"]] == offline(prompt, params)
+        assert [(o["token_ids"], o["text"]) for o in got["outputs"]] == offline_pairs(prompt,
+                                                                                      params)
 
 
 def test_a_failed_job_raises_in_get_with_the_jobs_message(redis_url: str) -> None:

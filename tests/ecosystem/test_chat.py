@@ -26,26 +26,24 @@ import pytest
 
 from producer.async_client import AsyncClient
 from producer.client import Client
-from tests.ecosystem.gateway_harness import MODEL_DIR, REPO, GatewayProcess, gateway_fleet
-from tests.fleet.harness import RedisServer
+from tests.harness.fleet import RedisServer
+from tests.harness.gateway import (
+    CHAT,
+    MODEL_DIR,
+    REPO,
+    GatewayProcess,
+    gateway_fleet,
+)
+from tests.harness.gateway import chat_model as harness_chat_model
+from tests.harness.oracle import OracleOf
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\ndef{% endif %}")
-CHAT = [{"role": "system", "content": "You write Python."},
-        {"role": "user", "content": "def main("}]
 Outputs = list[tuple[list[int], str, str | None]]
 Oracle = Callable[[list[dict[str, str]], dict[str, Any]], Outputs]
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = tmp_path_factory.mktemp("chat-model") / "genq-tiny-chat"
-    shutil.copytree(MODEL_DIR, model)
-    config_path = model / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config, indent=2))
-    return model
+    return harness_chat_model(tmp_path_factory.mktemp("chat-model") / "genq-tiny-chat")
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +83,14 @@ def template_ids(chat_model: Path) -> Callable[[list[dict[str, str]]], list[int]
 
 
 @pytest.fixture(scope="module")
-def offline(chat_model: Path,
+def offline(chat_model: Path, oracle_of: OracleOf,
             template_ids: Callable[[list[dict[str, str]]], list[int]]) -> Oracle:
-    """(token ids, text, finish_reason) per sequence, from LLM.generate on the template's ids."""
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(chat_model), num_gpu_blocks_override=256, swap_space=0.01,
-              num_threads=1)
+    """(token ids, text, finish_reason) per sequence, from the offline oracle on the template's
+    ids."""
+    oracle = oracle_of(chat_model)
 
     def run(messages: list[dict[str, str]], params: dict[str, Any]) -> Outputs:
-        [out] = llm.generate([template_ids(messages)], SamplingParams.from_dict(params),
-                             use_tqdm=False)
-        outputs = sorted(out.outputs, key=lambda c: c.index)
+        [outputs] = oracle.outputs([template_ids(messages)], params)
         assert all(c.text.strip() for c in outputs), "an empty text would make the claim vacuous"
         return [(list(c.token_ids), c.text, c.finish_reason) for c in outputs]
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tests.ecosystem.gateway_harness import REPO
-from tests.fleet.harness import free_port
+from tests.harness.fleet import free_port
+from tests.harness.gateway import REPO
 
 
 def genq(*args: str) -> subprocess.CompletedProcess[str]:

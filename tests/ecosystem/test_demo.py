@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-MODEL_DIR = REPO / "models" / "genq-tiny-stdlib"
+from tests.harness.gateway import MODEL_DIR, REPO
+from tests.harness.oracle import OracleOf
 
 
 def demo(*args: str) -> subprocess.Popen[str]:
@@ -38,7 +38,7 @@ def processes_using_port(port: int) -> list[str]:
 
 
 def test_demo_prints_its_figures_matches_offline_outputs_and_stops_everything(
-        tmp_path: Path) -> None:
+        tmp_path: Path, oracle_of: OracleOf) -> None:
     out_json = tmp_path / "demo.json"
     proc = demo("--jobs", "4", "--max-tokens", "8", "--json", str(out_json))
     output, _ = proc.communicate(timeout=600)
@@ -62,14 +62,10 @@ def test_demo_prints_its_figures_matches_offline_outputs_and_stops_everything(
 
     # Seeded sampling is a pure function of (seed, index, position): the fleet's tokens are the
     # offline engine's, whichever worker ran the job.
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(MODEL_DIR), num_gpu_blocks_override=512, swap_space=0.01, num_threads=1)
+    oracle = oracle_of(MODEL_DIR)
     for c in completions:
-        [expected] = llm.generate([c["prompt"]], SamplingParams.from_dict(c["params"]),
-                                  use_tqdm=False)
-        assert (c["token_ids"], c["text"]) == (list(expected.outputs[0].token_ids),
-                                               expected.outputs[0].text)
+        [[(token_ids, text, _reason)]] = oracle([c["prompt"]], c["params"])
+        assert (c["token_ids"], c["text"]) == (token_ids, text)
 
 
 def test_demo_interrupted_with_ctrl_c_stops_every_process_it_started() -> None:

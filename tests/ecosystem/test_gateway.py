@@ -24,14 +24,22 @@ import pytest
 
 from producer.events import encode_event, tokens_event
 from producer.protocol import Keys
-from tests.ecosystem.gateway_harness import MODEL_DIR, REPO, GatewayProcess, gateway_fleet
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     RedisServer,
     reply_events,
     wait_for,
 )
+from tests.harness.gateway import (
+    MODEL_DIR,
+    PROMPT,
+    REPO,
+    GatewayProcess,
+    entry_key,
+    gateway_fleet,
+    sse,
+)
+from tests.harness.oracle import OracleOf
 
-PROMPT = "def main("
 Oracle = Callable[[str, dict[str, Any]], list[tuple[str, str | None, int]]]
 
 
@@ -43,39 +51,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServe
 
 
 @pytest.fixture(scope="module")
-def offline() -> Oracle:
-    """(text, finish_reason, number of tokens) per sequence, from LLM.generate."""
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(MODEL_DIR), num_gpu_blocks_override=256, swap_space=0.01,
-              num_threads=1)
+def offline(oracle_of: OracleOf) -> Oracle:
+    """(text, finish_reason, number of tokens) per sequence, from the offline oracle."""
+    oracle = oracle_of(MODEL_DIR)
 
     def run(prompt: str, params: dict[str, Any]) -> list[tuple[str, str | None, int]]:
-        [out] = llm.generate([prompt], SamplingParams.from_dict(params), use_tqdm=False)
-        outputs = sorted(out.outputs, key=lambda c: c.index)
+        [outputs] = oracle.outputs([prompt], params)
         assert all(c.text.strip() for c in outputs), "an empty text would make the claim vacuous"
         return [(c.text, c.finish_reason, len(c.token_ids)) for c in outputs]
 
     return run
-
-
-def sse(gateway: GatewayProcess, body: dict[str, Any], headers: dict[str, str] | None = None,
-        route: str = "/v1/completions") -> list[tuple[str | None, Any]]:
-    """(event id, data) for each server-sent event of a streamed completion (or chat), asked
-    for with the opt-in to `id:` lines (Genq-Resumable) that a later resume needs."""
-    events: list[tuple[str | None, Any]] = []
-    with httpx.stream("POST", f"{gateway.url}{route}", json={**body, "stream": True},
-                      headers={"Genq-Resumable": "1", **(headers or {})}, timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        event_id = None
-        for line in resp.iter_lines():
-            if line.startswith("id: "):
-                event_id = line[4:]
-            elif line.startswith("data: "):
-                data = line[6:]
-                events.append((event_id, data if data == "[DONE]" else json.loads(data)))
-                event_id = None
-    return events
 
 
 def test_models_lists_the_served_name_of_each_live_worker(client: openai.OpenAI) -> None:
@@ -193,11 +178,6 @@ def test_sse_event_ids_are_reply_entry_ids_and_last_event_id_resumes(
     assert [e["type"] for e in reply_events(server, "resume-1")].count("started") == 1
 
 
-def entry_key(entry_id: str) -> tuple[int, int]:
-    ms, seq = entry_id.split("-")
-    return int(ms), int(seq)
-
-
 def cancels_published(server: RedisServer, job_id: str, hang_up: Callable[[], None]) -> None:
     """Run hang_up; then the gateway must publish a cancel of job_id and set its cancel key
     (what a worker acts on: tests/fleet holds that it aborts the job and frees its blocks)."""
@@ -205,7 +185,7 @@ def cancels_published(server: RedisServer, job_id: str, hang_up: Callable[[], No
     pubsub.ssubscribe(Keys().cancel_channel("tiny"))
     try:
         hang_up()
-        end = time.monotonic() + 10
+        end = time.monotonic() + 120  # a cap on waiting for the event, not a claim about speed
         seen: list[bytes] = []
         while job_id.encode() not in seen and time.monotonic() < end:
             message = pubsub.get_message(timeout=0.5)

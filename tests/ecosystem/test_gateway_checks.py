@@ -20,7 +20,7 @@ from producer.gateway_app import create_app
 from producer.limits import Limits
 from producer.openai_schema import CompletionRequest
 from producer.protocol import REPLY_FIELD, Keys, encode_heartbeat
-from tests.fleet.harness import RedisServer, free_port, register_heartbeat
+from tests.harness.fleet import RedisServer, free_port, register_heartbeat
 
 KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 JOBS = KEYS.jobs("tiny")

@@ -13,8 +13,8 @@ import httpx_sse
 import openai
 import pytest
 
-from tests.ecosystem.gateway_harness import MODEL_DIR, GatewayProcess, gateway_fleet
-from tests.fleet.harness import RedisServer
+from tests.harness.fleet import RedisServer
+from tests.harness.gateway import MODEL_DIR, GatewayProcess, gateway_fleet
 
 PROMPT = "def main("
 BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}

@@ -16,10 +16,16 @@ import httpx
 import pytest
 
 from producer.protocol import Keys
-from tests.ecosystem.gateway_harness import MODEL_DIR, GatewayProcess, gateway_fleet
-from tests.ecosystem.test_chat import TEMPLATE
-from tests.ecosystem.test_gateway import PROMPT, entry_key, sse
-from tests.fleet.harness import RedisServer, reply_events
+from tests.harness.fleet import RedisServer, reply_events
+from tests.harness.gateway import (
+    MODEL_DIR,
+    PROMPT,
+    TEMPLATE,
+    GatewayProcess,
+    entry_key,
+    gateway_fleet,
+    sse,
+)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from producer.gateway_hub import ReplyHub
-from tests.fleet.harness import RedisServer
+from tests.harness.fleet import RedisServer
 
 
 def ids(batch: list[tuple[bytes, dict[bytes, bytes]]]) -> list[bytes]:

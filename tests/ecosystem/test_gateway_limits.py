@@ -19,8 +19,8 @@ from producer.events import encode_event, started_event, tokens_event
 from producer.gateway import GatewayConfig
 from producer.gateway_app import create_app
 from producer.protocol import REPLY_FIELD, Keys, encode_heartbeat
-from tests.ecosystem.gateway_harness import GatewayProcess
-from tests.fleet.harness import RedisServer, register_heartbeat, wait_for
+from tests.harness.fleet import RedisServer, register_heartbeat, wait_for
+from tests.harness.gateway import GatewayProcess
 
 KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 JOBS = KEYS.jobs("tiny")

@@ -12,8 +12,6 @@ one worker answers completions and chat.
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +19,9 @@ from typing import Any
 import openai
 import pytest
 
-from tests.ecosystem.gateway_harness import MODEL_DIR, GatewayProcess, gateway_fleet
-from tests.ecosystem.test_chat import CHAT, TEMPLATE
-from tests.ecosystem.test_gateway import PROMPT
-from tests.fleet.harness import RedisServer, reply_events
+from tests.harness.fleet import RedisServer, reply_events
+from tests.harness.gateway import CHAT, PROMPT, GatewayProcess, chat_model, gateway_fleet
+from tests.harness.oracle import OracleOf
 
 # (token id, {id: logprob} of the sampled token and the top-k) per position, per sequence
 Positions = list[tuple[int, dict[int, float]]]
@@ -33,12 +30,7 @@ Oracle = Callable[[str | list[int], dict[str, Any]], list[tuple[str, Positions]]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("logprobs-model") / "genq-tiny-chat"
-    shutil.copytree(MODEL_DIR, path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return chat_model(tmp_path_factory.mktemp("logprobs-model") / "genq-tiny-chat")
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +49,11 @@ def tokenizer(model: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def offline(model: Path) -> Oracle:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(model), num_gpu_blocks_override=256, swap_space=0.01, num_threads=1)
+def offline(model: Path, oracle_of: OracleOf) -> Oracle:
+    oracle = oracle_of(model)
 
     def run(prompt: str | list[int], params: dict[str, Any]) -> list[tuple[str, Positions]]:
-        [out] = llm.generate([prompt], SamplingParams.from_dict(params), use_tqdm=False)
-        outputs = sorted(out.outputs, key=lambda c: c.index)
+        [outputs] = oracle.outputs([prompt], params)
         assert all(c.text.strip() and c.text.isascii() for c in outputs), [
             c.text for c in outputs]
         assert all(c.logprobs is not None for c in outputs)

@@ -5,7 +5,6 @@ engine's and follow their schema; bad grammars are a 400 naming the problem."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +13,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.ecosystem.gateway_harness import MODEL_DIR, GatewayProcess, gateway_fleet
-from tests.ecosystem.test_chat import CHAT, TEMPLATE
-from tests.fleet.harness import RedisServer
+from tests.harness.fleet import RedisServer
+from tests.harness.gateway import CHAT, GatewayProcess, gateway_fleet
+from tests.harness.gateway import chat_model as harness_chat_model
+from tests.harness.oracle import OracleOf
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size"],
           "properties": {"name": {"type": "string", "maxLength": 10},
@@ -28,13 +28,7 @@ RESPONSE_FORMAT = {"type": "json_schema",
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = tmp_path_factory.mktemp("structured-model") / "genq-tiny-chat"
-    shutil.copytree(MODEL_DIR, model)
-    config_path = model / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return model
+    return harness_chat_model(tmp_path_factory.mktemp("structured-model") / "genq-tiny-chat")
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +41,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.fixture(scope="module")
-def offline(chat_model: Path) -> Any:
-    """The offline engine's text for a chat (templated as the worker does) or a prompt."""
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(chat_model), num_gpu_blocks_override=256, swap_space=0.01,
-              num_threads=1)
+def offline(chat_model: Path, oracle_of: OracleOf) -> Any:
+    """The offline oracle's text for a chat (templated as the worker does) or a prompt."""
+    oracle = oracle_of(chat_model)
 
     def run(prompt: str | None, params: dict[str, Any]) -> list[str]:
-        ids = llm.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False) if prompt is None else prompt
-        [out] = llm.generate([ids], SamplingParams.from_dict(params), use_tqdm=False)
-        return [c.text for c in sorted(out.outputs, key=lambda c: c.index)]
+        ids = oracle.llm.tokenizer.apply_chat_template(
+            CHAT, add_generation_prompt=True, tokenize=True,
+            return_dict=False) if prompt is None else prompt
+        [outputs] = oracle.outputs([ids], params)
+        return [c.text for c in outputs]
 
     return run
 

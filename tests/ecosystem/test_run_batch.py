@@ -17,7 +17,8 @@ import pytest
 
 from producer.events import decode_event
 from producer.protocol import REPLY_FIELD, Keys
-from tests.fleet.harness import RedisServer, serving_worker, wait_for
+from tests.harness.fleet import RedisServer, serving_worker, wait_for
+from tests.harness.oracle import Oracle
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = ["the quick brown fox", "def main(", "import os", "hello world", "a b c", "for i in"]
@@ -36,17 +37,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterato
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> Any:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=256, swap_space=0.01,
-              num_threads=1)
-
+def offline_texts(offline: Oracle) -> Any:
+    """One prompt's [(text, finish_reason)] from the oracle, or for a list of prompts a list of
+    those."""
     def run(prompt: str | list[str], params: dict[str, Any]) -> Any:
-        """One prompt's [(text, finish_reason)], or for a list of prompts a list of those."""
         prompts = [prompt] if isinstance(prompt, str) else prompt
-        outs = [[(c.text, c.finish_reason) for c in sorted(o.outputs, key=lambda c: c.index)]
-                for o in llm.generate(prompts, SamplingParams.from_dict(params), use_tqdm=False)]
+        outs = [[(text, reason) for _ids, text, reason in seqs]
+                for seqs in offline(list(prompts), params)]
         return outs[0] if isinstance(prompt, str) else outs
 
     return run
@@ -83,7 +80,7 @@ def read_out(path: Path) -> list[dict[str, Any]]:
 
 
 def test_each_line_equals_the_offline_engine_and_bad_lines_say_why(
-        fleet: RedisServer, offline: Any, tmp_path: Path) -> None:
+        fleet: RedisServer, offline_texts: Any, tmp_path: Path) -> None:
     greedy = {"model": "tiny", "max_tokens": 12, "temperature": 0}
     seeded = {"model": "tiny", "max_tokens": 12, "temperature": 0.9, "seed": 7, "n": 2}
     inp = tmp_path / "in.jsonl"
@@ -107,11 +104,11 @@ def test_each_line_equals_the_offline_engine_and_bad_lines_say_why(
     assert sorted(ok) == ["a", "b", "c"]
     texts = {cid: [(c["text"], c["finish_reason"]) for c in r["body"]["choices"]]
              for cid, r in ok.items()}
-    assert texts["a"] == offline(WORDS[0], {"max_tokens": 12, "temperature": 0})
-    assert texts["b"] == offline(WORDS[1], {"max_tokens": 12, "temperature": 0.9, "seed": 7,
+    assert texts["a"] == offline_texts(WORDS[0], {"max_tokens": 12, "temperature": 0})
+    assert texts["b"] == offline_texts(WORDS[1], {"max_tokens": 12, "temperature": 0.9, "seed": 7,
                                             "n": 2})
-    assert texts["c"] == offline(WORDS[2], {"max_tokens": 12, "temperature": 0}) + \
-        offline(WORDS[3], {"max_tokens": 12, "temperature": 0})
+    assert texts["c"] == offline_texts(WORDS[2], {"max_tokens": 12, "temperature": 0}) + \
+        offline_texts(WORDS[3], {"max_tokens": 12, "temperature": 0})
     assert ok["c"]["body"]["usage"]["completion_tokens"] == 24
     errors = {o["custom_id"]: o["error"] for o in got if o["error"] is not None}
     assert errors[None]["code"] == "invalid_json"
@@ -138,7 +135,7 @@ def long_batch(tmp_path: Path, lines: int) -> Path:
     return inp
 
 
-def test_a_killed_run_resumes_and_runs_nothing_twice(fleet: RedisServer, offline: Any,
+def test_a_killed_run_resumes_and_runs_nothing_twice(fleet: RedisServer, offline_texts: Any,
                                                      tmp_path: Path) -> None:
     inp, out = long_batch(tmp_path, 10), tmp_path / "out.jsonl"
     proc = started_with(fleet, inp, out, 2)
@@ -148,7 +145,7 @@ def test_a_killed_run_resumes_and_runs_nothing_twice(fleet: RedisServer, offline
     run_batch(fleet, inp, out)
     got = read_out(out)
     assert sorted(o["custom_id"] for o in got) == sorted(f"q{i}" for i in range(10))
-    want = offline([WORDS[i % 6] + f" {i}" for i in range(10)],
+    want = offline_texts([WORDS[i % 6] + f" {i}" for i in range(10)],
                    {"max_tokens": LONG, "temperature": 0, "ignore_eos": True})
     for o in got:
         [(text, _)] = want[int(o["custom_id"][1:])]

@@ -1,45 +1,13 @@
+"""Engine fixtures: LLMs checked for leaked blocks, and a tiny llama that ends on EOS often."""
+
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM
-
-
-def random_prompts(num: int, seed: int, lo: int = 3, hi: int = 40, vocab: int = 400) -> list:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
-              bias: dict[int, float] | None = None) -> list[list[int]]:
-    """The oracle: transformers generate(do_sample=False), one prompt at a time, no EOS stop;
-    `bias`: token id -> logit bias, as sequence_bias of one-token sequences."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
-                                 max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=2,
-                                 sequence_bias={(t,): b for t, b in (bias or {}).items()} or None)
-            outs.append(ids[0, len(p):].tolist())
-    return outs
-
-
-def assert_drained(llm_or_engine) -> None:
-    """No leaked blocks: every device and host block is free, ref counts match the tables."""
-    engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    stats = engine.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    assert stats["num_free_host_blocks"] == stats["num_host_blocks"]
-    engine.block_manager.check_invariants()
-    assert not engine.has_unfinished()
+from tests.harness.engine import EOS_ID, assert_drained
 
 
 @pytest.fixture
@@ -73,5 +41,3 @@ def eos_llama(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         (path / name).write_text(json.dumps(config))
     return path
 
-
-EOS_ID = 16

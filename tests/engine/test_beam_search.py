@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.engine.conftest import EOS_ID, assert_drained, hf_greedy, random_prompts
+from tests.harness.engine import EOS_ID, assert_drained, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(3, seed=31, lo=5, hi=20)
 

@@ -15,9 +15,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.cupy_backend import CupyAttentionBackend
-from tests.engine.conftest import hf_greedy, random_prompts
+from tests.harness.engine import hf_greedy, random_prompts
+from tests.harness.models import build_kernel_llama
 from tests.kernels.cpu_kernels import CountingLauncher
-from tests.tiny_models import build_kernel_llama
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.outputs import RequestOutput
-from tests.engine.conftest import assert_drained, random_prompts
+from tests.harness.engine import assert_drained, random_prompts
 
 _PARAMS = [
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),

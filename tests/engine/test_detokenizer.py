@@ -8,7 +8,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.detokenizer import decode_delta, init_offsets
 from engine.sequence import Sequence
 from engine.tokenizer import fast_decoder
-from tests.engine.conftest import EOS_ID, assert_drained, random_prompts
+from tests.harness.engine import EOS_ID, assert_drained, random_prompts
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["tokenizer", "backend"])

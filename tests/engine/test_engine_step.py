@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.engine.conftest import assert_drained, random_prompts
+from tests.harness.engine import assert_drained, random_prompts
 
 
 def _drive(engine: Engine, finished_only: bool) -> tuple[dict[str, list], int]:

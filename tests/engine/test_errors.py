@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.engine.conftest import assert_drained, hf_greedy, random_prompts
+from tests.harness.engine import assert_drained, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.engine.conftest import assert_drained, hf_greedy, random_prompts
-from tests.tiny_models import ARCHS
+from tests.harness.engine import assert_drained, hf_greedy, random_prompts
+from tests.harness.models import ARCHS
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts(16, seed=1, lo=3, hi=45)  # lengths rarely multiples of the block size

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from tests.engine.conftest import hf_greedy, random_prompts
+from tests.harness.engine import hf_greedy, random_prompts
 
 PROMPTS = random_prompts(10, seed=7, lo=3, hi=30)
 MODES = ["recompute", "swap", "auto"]

@@ -14,8 +14,8 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.block_manager import AllocStatus, BlockManager
 from engine.prefix_cache import block_hashes
 from engine.sequence import Sequence, SequenceGroup
-from tests.engine.conftest import assert_drained as assert_blocks_drained
-from tests.engine.conftest import hf_greedy
+from tests.harness.engine import assert_drained as assert_blocks_drained
+from tests.harness.engine import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -7,7 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from tests.engine.conftest import assert_drained, hf_greedy, random_prompts
+from tests.harness.engine import assert_drained, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(8, seed=21, lo=4, hi=20)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from tests.engine.conftest import hf_greedy, random_prompts
+from tests.harness.engine import hf_greedy, random_prompts
 
 PROMPTS = random_prompts(6, seed=4, lo=4, hi=20)
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import hf_greedy, random_prompts
+from tests.harness.engine import hf_greedy, random_prompts
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "genq-tiny-stdlib"
 PROMPTS = ["def main():", "import os\n", "class Config:", "# settings\n", "return {",

@@ -13,7 +13,7 @@ import pytest
 from producer import AsyncClient, Client, JobError
 from producer.events import done_event, encode_event, error_event, started_event, tokens_event
 from producer.protocol import REPLY_FIELD, Keys, ProtocolError, decode_job_entry
-from tests.fleet.harness import REPO, RedisServer, wait_for
+from tests.harness.fleet import REPO, RedisServer, wait_for
 
 KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 

@@ -21,18 +21,18 @@ from producer.errors import JobError
 from producer.flags import redis_url
 from producer.protocol import Keys, new_job_id
 from producer.results import _slot_chunks
-from tests.fleet.clusters import RedisClusterSet
-from tests.fleet.harness import (
+from tests.harness.clusters import RedisClusterSet
+from tests.harness.fleet import (
     Expected,
     WorkerFactory,
     WorkerProcess,
     as_expected,
     reply_events,
+    streamed_tokens,
     wait_for,
     wait_heartbeats,
 )
-from tests.fleet.test_fleet import streamed_tokens
-from tests.tiny_models import corpus
+from tests.harness.models import corpus
 from worker.batch import FinishWrite, finish_keys
 from worker.scripts import reclaim_call
 

@@ -14,17 +14,17 @@ import pytest
 from producer import Client, Job
 from producer.connection import ClusterNodeError, connect
 from producer.protocol import Keys
-from tests.fleet.clusters import ClusterNodeServer, RedisClusterSet
-from tests.fleet.harness import (
+from tests.harness.clusters import ClusterNodeServer, RedisClusterSet
+from tests.harness.fleet import (
     Expected,
     WorkerFactory,
     WorkerProcess,
     reply_events,
+    streamed_tokens,
     wait_for,
     wait_heartbeats,
 )
-from tests.fleet.test_fleet import streamed_tokens
-from tests.tiny_models import corpus
+from tests.harness.models import corpus
 
 Oracle = Callable[[list[str], Any], list[Expected]]
 KEYS = Keys()

@@ -25,7 +25,7 @@ from engine.engine import Engine
 from engine.sampler import Sampler, SampleResult, SampleRow
 from producer import Client, Job, JobError
 from producer.protocol import Keys, decode_heartbeat
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     Expected,
     RedisServer,
     WorkerFactory,

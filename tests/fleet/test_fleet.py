@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,19 +12,22 @@ from typing import Any
 
 import pytest
 
-from producer import Client, Job
+from producer import Client
 from producer.protocol import Keys, decode_heartbeat
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     Expected,
     RedisServer,
     WorkerFactory,
     WorkerProcess,
     as_expected,
+    pending_of,
     reply_events,
+    stream_all,
+    streamed_tokens,
     wait_for,
     wait_heartbeats,
 )
-from tests.tiny_models import corpus
+from tests.harness.models import corpus
 
 Oracle = Callable[[list[str], Any], list[Expected]]
 JOBS_KEY = Keys().jobs("tiny")
@@ -41,35 +43,6 @@ def mixed_params(i: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
 def expected_for(offline: Oracle, prompts: list[str],
                  params: list[dict[str, Any]]) -> list[Expected]:
     return offline(prompts, params)
-
-
-def stream_all(jobs: list[Job], timeout: float) -> tuple[dict[str, list[dict[str, Any]]],
-                                                         list[threading.Thread]]:
-    """Consume every job's Job.stream() in its own thread, as clients would."""
-    seen: dict[str, list[dict[str, Any]]] = {job.id: [] for job in jobs}
-    threads = [threading.Thread(target=lambda j=job: seen[j.id].extend(j.stream(timeout=timeout)))
-               for job in jobs]
-    for t in threads:
-        t.start()
-    return seen, threads
-
-
-def streamed_tokens(events: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-    """(positions, token ids) of index 0 as a client saw them."""
-    positions: list[int] = []
-    tokens: list[int] = []
-    for e in events:
-        if e["type"] == "tokens" and e["index"] == 0:
-            positions += range(e["pos"], e["pos"] + len(e["token_ids"]))
-            tokens += e["token_ids"]
-    return positions, tokens
-
-
-def pending_of(server: RedisServer, consumer: str) -> int:
-    for c in server.client().xinfo_consumers(JOBS_KEY, GROUP):
-        if c["name"] == consumer.encode():
-            return int(c["pending"])
-    return 0
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Prometheus metrics: a real worker process with --metrics-port, scraped over HTTP and parsed
-by a small text-format parser of the test's own (prometheus_client is not a dependency)."""
+by a small text-format parser of the test's own (independent of prometheus_client, which the
+worker renders with)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from producer import Client, JobError
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     RedisServer,
     WorkerFactory,
     free_port,
@@ -21,7 +22,7 @@ from tests.fleet.harness import (
     wait_for,
     wait_heartbeats,
 )
-from worker.metrics import Registry
+from worker.metrics import WorkerMetrics, render
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
@@ -192,32 +193,66 @@ def test_metrics_count_exactly_what_the_worker_did(
     assert proc.terminate() == 0
 
 
+EXPORTED = [  # every metric, in the order of a scrape
+    "genq_queue_lag", "genq_queue_pending", "genq_worker_generated_tokens_total",
+    "genq_worker_generated_tokens_per_second", "genq_worker_jobs_finished_total",
+    "genq_engine_running_requests", "genq_engine_waiting_requests",
+    "genq_engine_swapped_requests", "genq_engine_kv_cache_usage_ratio",
+    "genq_engine_free_kv_blocks", "genq_engine_total_kv_blocks", "genq_worker_held_jobs",
+    "genq_engine_preemptions_total", "genq_engine_swaps_total", "genq_engine_prompt_tokens_total",
+    "genq_engine_prefix_cache_hit_tokens_total", "genq_worker_time_to_first_token_seconds",
+    "genq_worker_inter_token_latency_seconds"]
+
+
+def families(text: str) -> dict[str, list[str]]:
+    """A scrape's lines by metric family (the name of its HELP line)."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name = line.split(" ")[2]
+        out.setdefault(name, []).append(line)
+    return out
+
+
 def test_rendering_is_the_text_format_exactly() -> None:
-    reg = Registry({"model": 'a"b\\c\nd'})
-    c = reg.counter("x_total", "line one\nline \\ two", ["k"])
-    c.inc(2, k="v")
-    c.inc(0.5, k="v")
-    h = reg.histogram("lat_seconds", "latency", [0.1, 1.0])
-    for value in (0.05, 0.1, 0.5, 3.0):
-        h.observe(value)
-    reg.gauge("g", "a gauge").set(-1.5)
-    with pytest.raises(ValueError, match="x_total: a counter only goes up"):
-        c.inc(-1, k="v")
-    with pytest.raises(ValueError, match=r"x_total takes labels \('k',\), got \[\]"):
-        c.inc(1)  # the label is missing
-    labels = 'model="a\\"b\\\\c\\nd"'
-    assert reg.render() == "\n".join([
-        "# HELP x_total line one\\nline \\\\ two", "# TYPE x_total counter",
-        f'x_total{{{labels},k="v"}} 2.5',
-        "# HELP lat_seconds latency", "# TYPE lat_seconds histogram",
-        f'lat_seconds_bucket{{{labels},le="0.1"}} 2',
-        f'lat_seconds_bucket{{{labels},le="1"}} 3',
-        f'lat_seconds_bucket{{{labels},le="+Inf"}} 4',
-        f"lat_seconds_sum{{{labels}}} 3.65",
-        f"lat_seconds_count{{{labels}}} 4",
-        "# HELP g a gauge", "# TYPE g gauge", f"g{{{labels}}} -1.5", ""])
-    parsed = Scrape(reg.render())
-    assert parsed.samples[("x_total", (("k", "v"), ("model", 'a"b\\c\nd')))] == 2.5
+    metrics = WorkerMetrics('a"b\\c\nd', "w", "genq:jobs:tiny", "genq")
+    metrics.read_stats_from(lambda: ({"num_running": 2, "kv_usage": 0.25, "num_swap_outs": 3},
+                                     1))
+    metrics.jobs_finished.inc(2, outcome="done")
+    metrics.jobs_finished.inc(0.5, outcome="done")
+    for value in (0.0005, 0.001, 0.5, 30.0):
+        metrics.itl.observe(value)
+    with pytest.raises(ValueError, match="Counters can only be incremented by non-negative"):
+        metrics.jobs_finished.inc(-1, outcome="done")
+    with pytest.raises(ValueError, match="Incorrect label names"):
+        metrics.jobs_finished.inc(1)  # the outcome is missing
+    labels = 'model="a\\"b\\\\c\\nd",worker="w"'
+    text = render(metrics.registry)
+    parts = families(text)
+    assert list(parts) == EXPORTED
+    assert parts["genq_worker_jobs_finished_total"] == [
+        "# HELP genq_worker_jobs_finished_total Job attempts that ended on this worker, by "
+        "outcome (done, engine_error, cancelled, deadline_exceeded, rejected, lost, handed_back)",
+        "# TYPE genq_worker_jobs_finished_total counter",
+        'genq_worker_jobs_finished_total{model="a\\"b\\\\c\\nd",outcome="done",worker="w"} 2.5']
+    assert parts["genq_engine_preemptions_total"][2:] == [
+        f'genq_engine_preemptions_total{{mode="recompute",{labels}}} 0.0',
+        f'genq_engine_preemptions_total{{mode="swap",{labels}}} 3.0']
+    assert parts["genq_engine_kv_cache_usage_ratio"][2:] == [
+        f"genq_engine_kv_cache_usage_ratio{{{labels}}} 0.25"]
+    assert parts["genq_worker_held_jobs"][2:] == [f"genq_worker_held_jobs{{{labels}}} 1.0"]
+    bounds = ["0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0",
+              "2.5", "10.0", "+Inf"]
+    counts = [2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 4]
+    name = "genq_worker_inter_token_latency_seconds"
+    assert parts[name] == [
+        f"# HELP {name} Seconds between consecutive steps that gave a job new tokens",
+        f"# TYPE {name} histogram",
+        *(f'{name}_bucket{{le="{b}",{labels}}} {c}.0' for b, c in zip(bounds, counts, strict=True)),
+        f"{name}_count{{{labels}}} 4.0", f"{name}_sum{{{labels}}} 30.5015"]
+    parsed = Scrape(text)
+    assert parsed.samples[("genq_worker_jobs_finished_total", (
+        ("model", 'a"b\\c\nd'), ("outcome", "done"), ("worker", "w")))] == 2.5
 
 
 def test_a_taken_metrics_port_stops_the_worker_with_one_line_before_it_loads_the_model(
@@ -240,17 +275,17 @@ def test_a_taken_metrics_port_stops_the_worker_with_one_line_before_it_loads_the
 
 
 def test_observe_many_counts_as_that_many_observations() -> None:
-    one, many = Registry(), Registry()
-    h1 = one.histogram("itl_seconds", "interval", [0.01, 0.1])
-    h2 = many.histogram("itl_seconds", "interval", [0.01, 0.1])
-    for value, times in ((0.005, 3), (0.05, 256), (0.5, 1)):
+    one, many = (WorkerMetrics("tiny", "metered", "genq:jobs:tiny", "genq") for _ in range(2))
+    for value, times in ((0.0005, 3), (0.05, 256), (0.5, 1)):
         for _ in range(times):
-            h1.observe(value)
-        h2.observe_many(value, times)
-    def lines(reg: Registry) -> list[str]:
-        return [line for line in reg.render().splitlines() if "_sum" not in line]
+            one.itl.observe(value)
+        many.itl.observe_many(value, times)
+
+    def lines(metrics: WorkerMetrics) -> list[str]:
+        return [line for line in families(render(metrics.registry))[
+            "genq_worker_inter_token_latency_seconds"] if "_sum" not in line]
 
     assert lines(many) == lines(one)  # buckets and count exactly; the sum up to rounding
-    assert Scrape(many.render()).samples[("itl_seconds_sum", ())] == pytest.approx(
-        3 * 0.005 + 256 * 0.05 + 0.5)
-    assert h2.count() == 260
+    assert Scrape(render(many.registry)).get("genq_worker_inter_token_latency_seconds_sum") == (
+        pytest.approx(3 * 0.0005 + 256 * 0.05 + 0.5))
+    assert many.itl.count() == 260

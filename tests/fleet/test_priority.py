@@ -13,7 +13,7 @@ import pytest
 from producer import Client
 from producer.events import decode_event
 from producer.protocol import REPLY_FIELD, Keys, ProtocolError
-from tests.fleet.harness import Expected, RedisServer, WorkerFactory, as_expected, wait_heartbeats
+from tests.harness.fleet import Expected, RedisServer, WorkerFactory, as_expected, wait_heartbeats
 
 Oracle = Callable[[list[str], Any], list[Expected]]
 PARAMS = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}

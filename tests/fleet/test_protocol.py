@@ -34,7 +34,7 @@ from producer.protocol import (
     waiting_entries,
 )
 from producer.replies import ReplyDeduper
-from tests.fleet.harness import REPO
+from tests.harness.fleet import REPO
 
 GOOD = JobSpec(id="job-1", model="tiny", prompt="hello", params={"temperature": 0,
                                                                   "max_tokens": 4},

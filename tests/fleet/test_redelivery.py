@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,25 +12,25 @@ import pytest
 
 from producer import Client
 from producer.protocol import Keys, decode_heartbeat
-from tests.fleet.harness import RedisServer, WorkerFactory, reply_events, wait_for, wait_heartbeats
-from tests.fleet.test_fleet import pending_of
-from tests.tiny_models import corpus
+from tests.harness.fleet import (
+    RedisServer,
+    WorkerFactory,
+    pending_of,
+    reply_events,
+    wait_for,
+    wait_heartbeats,
+)
+from tests.harness.models import corpus
+from tests.harness.oracle import OracleOf
 
 JOBS_KEY = Keys().jobs("tiny")
 
 
 @pytest.fixture(scope="module")
-def long_offline(long_llama: Path) -> Iterator[Any]:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(long_llama), num_gpu_blocks_override=1024, swap_space=0.01,
-              num_threads=1)
-
-    def run(prompt: str, params: dict[str, Any]) -> list[int]:
-        (out,) = llm.generate([prompt], SamplingParams.from_dict(params), use_tqdm=False)
-        return list(out.outputs[0].token_ids)
-
-    yield run
+def long_offline(long_llama: Path, oracle_of: OracleOf) -> Any:
+    """The offline oracle's token ids of one prompt's first sequence, on long_llama."""
+    oracle = oracle_of(long_llama)
+    return lambda prompt, params: oracle([prompt], params)[0][0][0]
 
 
 def heartbeat_of(server: RedisServer, name: str) -> dict[str, Any]:

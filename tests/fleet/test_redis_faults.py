@@ -10,17 +10,19 @@ from typing import Any
 
 from producer import Client
 from producer.protocol import Keys
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     Expected,
     RedisServer,
     WorkerFactory,
     as_expected,
     reply_events,
+    stream_all,
+    streamed_tokens,
     wait_for,
     wait_heartbeats,
 )
-from tests.fleet.test_fleet import stream_all, streamed_tokens
-from tests.tiny_models import corpus
+from tests.harness.models import corpus
+from tests.harness.oracle import OracleOf
 from worker.loop import _FINAL_FLUSH_S
 
 Oracle = Callable[[list[str], Any], list[Expected]]
@@ -112,11 +114,11 @@ def test_writes_refused_while_redis_is_out_of_memory_land_once_it_has_room(
 
 
 def test_sigterm_while_redis_is_down_stops_within_the_drain_and_loses_nothing(
-        redis_server: RedisServer, workers: WorkerFactory, long_llama: Path) -> None:
+        redis_server: RedisServer, workers: WorkerFactory, long_llama: Path,
+        oracle_of: OracleOf) -> None:
     """With Redis down the writer falls behind and the loop waits for it; a stop request ends
     that wait: the worker drains for --drain-timeout, gives the final flush its 15 s and exits.
     Its unacked jobs are still pending under its name: its next run re-reads them."""
-    from engine import LLM, SamplingParams
 
     first = workers.start(redis_server.url, long_llama, "w1", "--drain-timeout", "1")
     wait_heartbeats(redis_server, [first])
@@ -135,11 +137,8 @@ def test_sigterm_while_redis_is_down_stops_within_the_drain_and_loses_nothing(
     redis_server.start()
     again = workers.start(redis_server.url, long_llama, "w1")
     results = [job.result(timeout=300) for job in jobs]
-    llm = LLM(model=str(long_llama), num_gpu_blocks_override=1024, swap_space=0.01,
-              num_threads=1)
-    want = llm.generate(prompts, SamplingParams.from_dict(params), use_tqdm=False)
-    assert [r["outputs"][0]["token_ids"] for r in results] == \
-        [list(o.outputs[0].token_ids) for o in want]
+    want = oracle_of(long_llama)(prompts, params)
+    assert [r["outputs"][0]["token_ids"] for r in results] == [seqs[0][0] for seqs in want]
     assert [len(r["outputs"][0]["token_ids"]) for r in results] == [1500] * 3
     assert [r["attempt"] for r in results] == [2, 2, 2]
     assert again.alive()

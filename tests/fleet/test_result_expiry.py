@@ -14,7 +14,7 @@ import pytest
 
 from producer import AsyncClient, Client, ResultExpired
 from producer.protocol import Keys
-from tests.fleet.harness import RedisServer, WorkerProcess, serving_worker, wait_for
+from tests.harness.fleet import RedisServer, WorkerProcess, serving_worker, wait_for
 
 KEYS = Keys()
 PARAMS = {"temperature": 0, "max_tokens": 2}

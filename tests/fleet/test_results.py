@@ -14,8 +14,8 @@ from producer import Client, JobError
 from producer.events import done_event, encode_event, error_event, started_event, tokens_event
 from producer.protocol import REPLY_FIELD, Keys, ProtocolError
 from producer.results import _SCRIPT_REFUSED, pass_interval
-from tests.fleet.harness import RedisServer
-from tests.security.secure_redis import ACL_RULES, PASSWORDS, RESULTS_SELECTOR
+from tests.harness.fleet import RedisServer
+from tests.harness.secure_redis import ACL_RULES, PASSWORDS, RESULTS_SELECTOR
 
 KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 GARBAGE = b"\xc1 not an event"  # 0xc1 is never valid MessagePack

@@ -16,15 +16,15 @@ from producer import Client
 from producer.connection import connect, parse
 from producer.flags import redis_url
 from producer.protocol import Keys
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     Expected,
     WorkerFactory,
     as_expected,
     reply_events,
     wait_for,
 )
-from tests.fleet.sentinels import SERVICE, SentinelSet
-from tests.tiny_models import corpus
+from tests.harness.models import corpus
+from tests.harness.sentinels import SERVICE, SentinelSet
 from worker.heartbeat import Heartbeat
 
 Oracle = Callable[[list[str], Any], list[Expected]]

@@ -15,12 +15,13 @@ import pytest
 from engine.outputs import CompletionOutput, RequestOutput
 from producer import Client
 from producer.protocol import JobSpec
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     RedisServer,
     WorkerProcess,
     reply_events,
     serving_worker,
 )
+from tests.harness.oracle import Oracle
 from worker.config import WorkerConfig
 from worker.jobs import ActiveJob, token_events
 from worker.main import main as worker_main
@@ -124,9 +125,7 @@ def test_a_sequence_that_ends_early_sends_its_rest_when_it_ends(
 
 
 def test_logprobs_travel_with_their_tokens(server: RedisServer, worker: WorkerProcess,
-                                          tiny_llama: Path) -> None:
-    from engine import LLM, SamplingParams
-
+                                          offline: Oracle) -> None:
     params = {"temperature": 0, "max_tokens": 7, "ignore_eos": True, "logprobs": 2}
     job = Client(server.url).submit("the quick brown", params, model="tiny")
     result = job.result(timeout=60)
@@ -135,10 +134,8 @@ def test_logprobs_travel_with_their_tokens(server: RedisServer, worker: WorkerPr
     assert [p for e in pieces for p in e["logprobs"]] == done
     assert all(len(e["logprobs"]) == len(e["token_ids"]) for e in pieces)
     # ... and they are the offline engine's (to float noise: another batch, other shapes)
-    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=256, swap_space=0.01,
-              num_threads=1)
-    [want] = llm.generate(["the quick brown"], SamplingParams.from_dict(params), use_tqdm=False)
-    expected = want.outputs[0].logprobs
+    [[want]] = offline.outputs(["the quick brown"], params)
+    expected = want.logprobs
     assert expected is not None and len(done) == len(expected) == 7
     for got, top in zip(done, expected, strict=True):
         assert sorted(t for t, *_ in got) == sorted(top)

@@ -13,16 +13,17 @@ import jsonschema
 import pytest
 
 from producer import Client, JobError
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     Expected,
     RedisServer,
     WorkerFactory,
     as_expected,
+    pending_of,
+    stream_all,
     wait_for,
     wait_heartbeats,
 )
-from tests.fleet.test_fleet import pending_of, stream_all
-from tests.tiny_models import corpus
+from tests.harness.models import corpus
 
 # Long enough (40 one-digit items) that no job ends between "held and streaming" and the kill.
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},

@@ -9,6 +9,7 @@ import itertools
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from producer import AsyncClient, Client, JobError
 from producer.protocol import Keys, ProtocolError, decode_heartbeat, validate_name
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     REPO,
     RedisServer,
     WorkerProcess,
@@ -80,16 +81,28 @@ def terminal(server: RedisServer, job_id: str) -> dict[str, Any] | None:
 def test_capacity_4_never_holds_more_than_4_pending_entries(server: RedisServer,
                                                             worker: WorkerProcess) -> None:
     client = Client(server.url)
-    # Long enough that a poll every few ms sees the worker at its cap however fast it runs.
-    jobs = [client.submit(f"prompt {i}", {"temperature": 0, "max_tokens": 400, "ignore_eos": True},
+    # Each job runs for 100 steps, 4 at a time: a poll every few ms sees the worker at its cap.
+    jobs = [client.submit(f"prompt {i}", {"temperature": 0, "max_tokens": 100, "ignore_eos": True},
                           model="tiny") for i in range(12)]
     conn = server.client()
     most = 0
-    end = time.monotonic() + 300
-    while any(terminal(server, job.id) is None for job in jobs) and time.monotonic() < end:
-        for c in conn.xinfo_consumers(JOBS_KEY, "workers"):
-            most = max(most, int(c["pending"]))
-        time.sleep(0.005)
+    ended = threading.Event()
+
+    def poll() -> None:
+        nonlocal most
+        while not ended.is_set():
+            for c in conn.xinfo_consumers(JOBS_KEY, "workers"):
+                most = max(most, int(c["pending"]))
+            time.sleep(0.005)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        for job in jobs:  # until every job has ended, however slow the machine
+            job.result(timeout=600)
+    finally:
+        ended.set()
+        poller.join()
     assert most == 4
     assert all(terminal(server, job.id)["type"] == "done" for job in jobs)  # type: ignore[index]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     REPO,
     RedisServer,
     WorkerFactory,
@@ -156,7 +156,7 @@ def test_a_second_worker_with_a_name_taken_on_this_host_refuses_to_start(
     """Two workers under one --name would each adopt the other's entries as their own
     orphans and run every job twice; a restart after a crash (the old pid gone) is fine."""
     from producer import Client
-    from tests.fleet.harness import wait_heartbeats
+    from tests.harness.fleet import wait_heartbeats
 
     first = workers.start(redis_server.url, tiny_llama, "gpu0")
     wait_heartbeats(redis_server, [first])

@@ -8,15 +8,13 @@ import msgpack
 import pytest
 import redis
 
-from producer.events import decode_event, encode_event, error_event, started_event, tokens_event
-from producer.protocol import REPLY_FIELD, Keys, as_str
-from tests.fleet.harness import RedisServer
+from producer.events import encode_event, error_event, started_event, tokens_event
+from producer.protocol import as_str
+from tests.harness.fleet import RedisServer
+from tests.harness.writer import JOBS, KEYS, events_of, setup_group
 from worker.batch import Batch, EventWrite, FinishWrite, coalesce, finish_args, finish_keys
 from worker.io_thread import Writer
 from worker.scripts import DEAD_LETTER_MAXLEN, FENCE_TTL_S, Scripts, reclaim_call
-
-KEYS = Keys(model="m")  # (the jobs of the replies here: model m's)
-JOBS = KEYS.jobs("m")
 
 
 def test_coalesce_merges_steps_per_sequence_and_keeps_order() -> None:
@@ -38,20 +36,6 @@ def test_coalesce_never_joins_a_gap_or_another_attempt() -> None:
     events = [tokens_event(1, 0, 0, [1], "a"), tokens_event(1, 0, 2, [3], "c"),
               tokens_event(2, 0, 3, [4], "d")]
     assert coalesce([EventWrite("1-0", 1, "r", events)])[0].events == events
-
-
-def setup_group(server: RedisServer, consumer: str, count: int) -> list[str]:
-    conn = server.client()
-    conn.xgroup_create(JOBS, "workers", id="0", mkstream=True)
-    for i in range(count):
-        conn.xadd(JOBS, {"v": b"2", "job": msgpack.packb({"id": f"j{i}"})})
-    got = conn.xreadgroup("workers", consumer, {JOBS: ">"}, count=count)
-    return [eid.decode() for eid, _ in got[0][1]]
-
-
-def events_of(server: RedisServer, job_id: str) -> list[dict[str, object]]:
-    return [decode_event(f[REPLY_FIELD.encode()])
-            for _, f in server.client().xrange(KEYS.reply(job_id))]
 
 
 def test_writes_to_an_entry_another_worker_claimed_are_refused(redis_server: RedisServer) -> None:

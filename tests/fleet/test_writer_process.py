@@ -13,8 +13,8 @@ import pytest
 
 from producer.events import encode_event, error_event, started_event, tokens_event
 from producer.protocol import Keys
-from tests.fleet.harness import REPO, RedisServer, wait_for
-from tests.fleet.test_writer import JOBS, events_of, setup_group
+from tests.harness.fleet import REPO, RedisServer, wait_for
+from tests.harness.writer import JOBS, events_of, setup_group
 from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer
 from worker.writer_process import Frames, WriterProcess

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.tiny_models import build_kernel_llama
+from tests.harness.models import build_kernel_llama
 
 pytestmark = [
     pytest.mark.gpu,

@@ -65,3 +65,18 @@ def make_case(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref|: NaN anywhere in out makes it NaN (and fails any bound)."""
     return float((out.double().cpu() - ref).abs().max() / ref.abs().max())
+
+
+FP32_REL_ERR = 1e-5
+# One rounding of the output to the storage type (half an ulp), plus the fp32 error above.
+ROUNDING = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any(), "NaN in the output: a stale or free slot was read"
+    if dtype == torch.float32:
+        assert max_rel_err(out, ref) < FP32_REL_ERR
+    else:
+        err = (out.double() - ref).abs()
+        bound = ROUNDING[dtype] * ref.abs() + FP32_REL_ERR * ref.abs().max()
+        assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"

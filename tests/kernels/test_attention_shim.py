@@ -12,7 +12,7 @@ import torch
 from engine import kernels
 from engine.attention.cupy_backend import CupyAttentionBackend
 from tests.kernels import reference
-from tests.kernels.cases import Case, make_case, max_rel_err
+from tests.kernels.cases import Case, assert_matches, make_case
 from tests.kernels.cpu_kernels import ShimLauncher
 
 # (dtype, head size, block size) of the shim build: every dtype, head size and block size.
@@ -22,23 +22,10 @@ VARIANTS = [
     (torch.float32, 256, 8), (torch.float16, 64, 16), (torch.float16, 96, 8),
     (torch.bfloat16, 80, 8), (torch.bfloat16, 128, 32),
 ]
-FP32_REL_ERR = 1e-5
-# One rounding of the output to the storage type (half an ulp), plus the fp32 error above.
-ROUNDING = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 
 
 def _ids(v: tuple[torch.dtype, int, int]) -> str:
     return f"{str(v[0]).removeprefix('torch.')}-h{v[1]}-b{v[2]}"
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not out.isnan().any(), "NaN in the output: a stale or free slot was read"
-    if dtype == torch.float32:
-        assert max_rel_err(out, ref) < FP32_REL_ERR
-    else:
-        err = (out.double() - ref).abs()
-        bound = ROUNDING[dtype] * ref.abs() + FP32_REL_ERR * ref.abs().max()
-        assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
 
 
 def run_decode(cpu_kernels: ShimLauncher, c: Case,

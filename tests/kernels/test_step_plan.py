@@ -9,9 +9,8 @@ import torch
 
 from engine.attention.cupy_backend import CupyAttentionBackend
 from tests.kernels import reference
-from tests.kernels.cases import Case, make_case
+from tests.kernels.cases import Case, assert_matches, make_case
 from tests.kernels.cpu_kernels import CountingLauncher, ShimLauncher
-from tests.kernels.test_attention_shim import assert_matches
 
 
 def _layer_of(c: Case, factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,36 +1,15 @@
 """Security fixtures: redis-servers with the genq ACL users (one plain, one TLS only), worker
-processes connected through them, and the offline oracle for exact outputs."""
+processes connected through them (the offline oracle is tests/conftest.py's `offline`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.fleet.harness import WorkerFactory, WorkerProcess, wait_heartbeats
-from tests.security.secure_redis import Certs, SecureRedis, make_certs
-
-Expected = list[tuple[list[int], str, str | None]]
-Oracle = Callable[[list[str], dict[str, Any]], list[Expected]]
-
-
-@pytest.fixture(scope="session")
-def oracle(tiny_llama: Path) -> Oracle:
-    """LLM.generate on the same tiny model: [(token_ids, text, finish_reason) per sequence] per
-    prompt."""
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=256, swap_space=0.01,
-              num_threads=1)
-
-    def run(prompts: list[str], params: dict[str, Any]) -> list[Expected]:
-        outs = llm.generate(prompts, SamplingParams.from_dict(params), use_tqdm=False)
-        return [[(list(c.token_ids), c.text, c.finish_reason)
-                 for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
-
-    return run
+from tests.harness.fleet import WorkerFactory, WorkerProcess, wait_heartbeats
+from tests.harness.secure_redis import Certs, SecureRedis, make_certs
 
 
 @pytest.fixture(scope="session")

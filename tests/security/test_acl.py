@@ -19,15 +19,15 @@ import redis
 
 from producer import Client, JobError
 from producer.protocol import Keys
-from tests.ecosystem.gateway_harness import GatewayProcess
-from tests.fleet.harness import (
+from tests.harness.fleet import (
     WorkerFactory,
     WorkerProcess,
     wait_for,
     wait_heartbeats,
 )
-from tests.security.conftest import Oracle
-from tests.security.secure_redis import ACL_RULES, ADMIN_PASSWORD, SecureRedis, acl_line
+from tests.harness.gateway import GatewayProcess
+from tests.harness.oracle import Oracle
+from tests.harness.secure_redis import ACL_RULES, ADMIN_PASSWORD, SecureRedis, acl_line
 
 KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 JOBS_KEY = KEYS.jobs("tiny")
@@ -81,12 +81,12 @@ def test_the_server_loaded_the_documented_lines(server: SecureRedis) -> None:
 
 
 def test_worker_and_producer_run_jobs_through_their_users(
-        server: SecureRedis, worker: WorkerProcess, oracle: Oracle) -> None:
+        server: SecureRedis, worker: WorkerProcess, offline: Oracle) -> None:
     server.client().execute_command("ACL", "LOG", "RESET")
     admin = server.client()
     with Client(server.url_for("genq-producer")) as client:
         # the ghost's job: reclaimed by the worker, and the ghost consumer deleted afterwards
-        assert outputs(client.job("ghostjob", "tiny").result(timeout=60)) == oracle(
+        assert outputs(client.job("ghostjob", "tiny").result(timeout=60)) == offline(
             ["held by a ghost"], GREEDY)[0]
         wait_for(lambda: [c["name"] for c in admin.xinfo_consumers(JOBS_KEY, "workers")]
                  == [b"w1"], timeout=30, what="the ghost consumer deleted")
@@ -95,7 +95,7 @@ def test_worker_and_producer_run_jobs_through_their_users(
         single = client.submit(prompts[0], GREEDY, model="tiny")
         streamed = list(single.stream(timeout=60))
         many = client.submit_many(prompts[1:], GREEDY, model="tiny")
-        expected = oracle(prompts, GREEDY)
+        expected = offline(prompts, GREEDY)
         tokens = [e for e in streamed if e["type"] == "tokens"]
         assert [t for e in tokens for t in e["token_ids"]] == expected[0][0][0]
         assert outputs(streamed[-1]) == expected[0]
@@ -120,7 +120,7 @@ def test_worker_and_producer_run_jobs_through_their_users(
 
 
 def test_the_gateway_serves_through_its_user(server: SecureRedis, worker: WorkerProcess,
-                                             oracle: Oracle, tmp_path: Path) -> None:
+                                             offline: Oracle, tmp_path: Path) -> None:
     server.client().execute_command("ACL", "LOG", "RESET")
     gateway = GatewayProcess(server.url_for("genq-gateway"), tmp_path / "gateway.log")
     try:
@@ -128,7 +128,7 @@ def test_the_gateway_serves_through_its_user(server: SecureRedis, worker: Worker
         assert [(m["id"], m["workers"]) for m in models["data"]] == [("tiny", 1)]
         body = {"model": "tiny", "prompt": "over the lazy", "max_tokens": 4, "temperature": 0}
         answer = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120).json()
-        expected = oracle(["over the lazy"], GREEDY)[0][0]
+        expected = offline(["over the lazy"], GREEDY)[0][0]
         assert [(c["text"], c["finish_reason"]) for c in answer["choices"]] == [
             (expected[1], expected[2])]
         assert answer["usage"]["completion_tokens"] == 4
@@ -212,7 +212,7 @@ def test_without_the_right_password_nothing_runs(server: SecureRedis) -> None:
 
 
 def test_a_worker_whose_acl_predates_the_ended_marks_still_finishes_its_jobs(
-        server: SecureRedis, tiny_llama: Path, oracle: Oracle, tmp_path: Path) -> None:
+        server: SecureRedis, tiny_llama: Path, offline: Oracle, tmp_path: Path) -> None:
     """A worker user without ~genq:idem:* (the ACL line of an earlier release): its first finish
     is refused, the writer finishes without the marks from then on, and nothing is lost."""
     legacy = [rule for rule in ACL_RULES["genq-worker"] if rule != "~genq:idem:*"]
@@ -227,7 +227,7 @@ def test_a_worker_whose_acl_predates_the_ended_marks_still_finishes_its_jobs(
         prompts = ["the quick brown fox", "jumps over"]
         with Client(server.url_for("genq-producer")) as client:
             jobs = [client.submit(p, GREEDY, model="legacy") for p in prompts]
-            assert [outputs(job.result(timeout=60)) for job in jobs] == oracle(prompts, GREEDY)
+            assert [outputs(job.result(timeout=60)) for job in jobs] == offline(prompts, GREEDY)
         assert [server.client().get(KEYS.idem(job.id, "legacy")) for job in jobs] == [b"1", b"1"]
         assert "may not use genq:idem:* keys" in proc.output()
     finally:

@@ -15,15 +15,15 @@ import redis
 
 from producer import Client
 from producer.async_client import AsyncClient
-from tests.fleet.harness import WorkerProcess
-from tests.security.conftest import Oracle
-from tests.security.secure_redis import ADMIN_PASSWORD, OPENSSL, Certs, SecureRedis
+from tests.harness.fleet import WorkerProcess
+from tests.harness.oracle import Oracle
+from tests.harness.secure_redis import ADMIN_PASSWORD, OPENSSL, Certs, SecureRedis
 
 GREEDY = {"temperature": 0, "max_tokens": 4}
 
 
 def test_a_worker_and_a_client_complete_jobs_over_tls(
-        tls_fleet: tuple[SecureRedis, WorkerProcess], oracle: Oracle) -> None:
+        tls_fleet: tuple[SecureRedis, WorkerProcess], offline: Oracle) -> None:
     server, worker = tls_fleet
     url = server.url_for("genq-producer")
     assert url.startswith(f"rediss://genq-producer:producer-secret@127.0.0.1:{server.port}/0?")
@@ -33,7 +33,7 @@ def test_a_worker_and_a_client_complete_jobs_over_tls(
         jobs = [client.submit(p, GREEDY, model="tiny") for p in prompts]
         streamed = list(jobs[0].stream(timeout=60))
         results = [job.result(timeout=60) for job in jobs]
-    expected = oracle(prompts, GREEDY)
+    expected = offline(prompts, GREEDY)
     assert [[(o["token_ids"], o["text"], o["finish_reason"]) for o in r["outputs"]]
             for r in results] == expected
     assert [t for e in streamed if e["type"] == "tokens" for t in e["token_ids"]] == \
@@ -44,7 +44,7 @@ def test_a_worker_and_a_client_complete_jobs_over_tls(
 
 
 def test_the_async_client_completes_a_job_over_tls(
-        tls_fleet: tuple[SecureRedis, WorkerProcess], oracle: Oracle) -> None:
+        tls_fleet: tuple[SecureRedis, WorkerProcess], offline: Oracle) -> None:
     """redis.asyncio (AsyncClient, and the gateway's pools) takes the same rediss:// URL."""
     server, _ = tls_fleet
 
@@ -55,7 +55,7 @@ def test_the_async_client_completes_a_job_over_tls(
 
     result = asyncio.run(run())
     assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in result["outputs"]] == \
-        oracle(["jumps over"], GREEDY)[0]
+        offline(["jumps over"], GREEDY)[0]
 
 
 def tls_connection(server: SecureRedis, certs: Certs, **overrides: object) -> redis.Redis:

@@ -16,9 +16,9 @@ import msgpack
 
 from producer.events import decode_event
 from producer.protocol import REPLY_FIELD, Keys
-from tests.fleet.harness import WorkerProcess, wait_for
-from tests.security.conftest import Oracle
-from tests.security.secure_redis import SecureRedis
+from tests.harness.fleet import WorkerProcess, wait_for
+from tests.harness.oracle import Oracle
+from tests.harness.secure_redis import SecureRedis
 
 KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 JOBS_KEY = KEYS.jobs("tiny")
@@ -69,7 +69,7 @@ def all_keys(conn: Any) -> set[str]:
 
 
 def test_hostile_ids_never_lead_the_worker_outside_its_keys(
-        tls_fleet: tuple[SecureRedis, WorkerProcess], oracle: Oracle) -> None:
+        tls_fleet: tuple[SecureRedis, WorkerProcess], offline: Oracle) -> None:
     server, worker = tls_fleet
     conn = server.client()
     before = all_keys(conn)
@@ -98,7 +98,7 @@ def test_hostile_ids_never_lead_the_worker_outside_its_keys(
         assert msgpack.unpackb(fields[b"job"], raw=False).get("id", _MISSING) == job_id
 
     # odd but valid ids: the job ran and answered on genq:reply:<id>, nowhere else
-    expected = oracle([PROMPT], PARAMS)[0]
+    expected = offline([PROMPT], PARAMS)[0]
     for job_id in VALID_ODD_IDS:
         events = reply(conn, job_id)
         assert (events[0]["type"], events[-1]["type"]) == ("started", "done"), job_id

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import redis
 
-from tests.fleet.harness import REDIS_SERVER, RedisServer, free_port, wait_for
+from tests.harness.fleet import REDIS_SERVER, RedisServer, free_port, wait_for
 
 SERVICE = "genq"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from tests.fleet.harness import wait_for
-from tests.fleet.sentinels import DataNode
+from tests.harness.fleet import wait_for
+from tests.harness.sentinels import DataNode
 
 NUM_SLOTS = 16384
 BUS_OFFSET = 10000  # a node's cluster bus listens this far above its port

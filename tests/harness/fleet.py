@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,9 +18,9 @@ from typing import Any, TypeVar
 import redis
 
 from producer.protocol import Keys
+from tests.harness.oracle import Expected
 
 T = TypeVar("T")
-Expected = list[tuple[list[int], str, str | None]]
 REPO = Path(__file__).resolve().parents[2]
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -171,15 +172,23 @@ def serving_worker(server: RedisServer, model: Path, workdir: Path, name: str,
         factory.stop_all()
 
 
-def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05,
+# A wait's cap bounds a failure, never a claim about speed: every wait_for lasts up to at least
+# this long, so a loaded machine makes a test slower, not failed.
+MIN_WAIT_S = 120.0
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = MIN_WAIT_S, interval: float = 0.05,
              what: str = "condition") -> T:
-    end = time.monotonic() + timeout
+    """predicate()'s first truthy value, polled every `interval` s; an AssertionError after
+    max(timeout, MIN_WAIT_S) s."""
+    cap = max(timeout, MIN_WAIT_S)
+    end = time.monotonic() + cap
     while time.monotonic() < end:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {cap} s waiting for {what}")
 
 
 def as_expected(result: dict[str, Any]) -> Expected:
@@ -204,3 +213,36 @@ def register_heartbeat(conn: redis.Redis, model: str, name: str, value: bytes,
     conn.set(keys.worker(model, name), value, ex=ex)
     conn.sadd(keys.workers(model), name)
     conn.sadd(keys.models, model)
+
+
+def stream_all(jobs: list[Any], timeout: float) -> tuple[dict[str, list[dict[str, Any]]],
+                                                         list[threading.Thread]]:
+    """Consume every job's Job.stream() in its own thread, as clients would."""
+    seen: dict[str, list[dict[str, Any]]] = {job.id: [] for job in jobs}
+    threads = [threading.Thread(target=lambda j=job: seen[j.id].extend(j.stream(timeout=timeout)))
+               for job in jobs]
+    for t in threads:
+        t.start()
+    return seen, threads
+
+
+def streamed_tokens(events: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """(positions, token ids) of index 0 as a client saw them."""
+    positions: list[int] = []
+    tokens: list[int] = []
+    for e in events:
+        if e["type"] == "tokens" and e["index"] == 0:
+            positions += range(e["pos"], e["pos"] + len(e["token_ids"]))
+            tokens += e["token_ids"]
+    return positions, tokens
+
+
+def pending_of(server: RedisServer, consumer: str, model: str = "tiny") -> int:
+    """Entries of the model's stream delivered to `consumer` and not yet acknowledged."""
+    from producer.protocol import Keys
+
+    keys = Keys()
+    for c in server.client().xinfo_consumers(keys.jobs(model), keys.group):
+        if c["name"] == consumer.encode():
+            return int(c["pending"])
+    return 0

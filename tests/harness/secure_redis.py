@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import redis
 
-from tests.fleet.harness import REDIS_SERVER, free_port
+from tests.harness.fleet import REDIS_SERVER, free_port
 
 OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"
 ADMIN_PASSWORD = "admin-secret"  # the default user's password in these tests
@@ -103,7 +103,7 @@ def make_certs(directory: Path) -> Certs:
 class SecureRedis:
     """redis-server whose default user needs a password, with the genq users loaded from an ACL
     file made of acl_line()s; with `certs`, it listens on TLS only (--port 0 --tls-port, client
-    certificates required). Quacks like tests.fleet.harness.RedisServer (url, client)."""
+    certificates required). Quacks like tests.harness.fleet.RedisServer (url, client)."""
 
     def __init__(self, directory: Path, certs: Certs | None = None) -> None:
         self.dir = directory
