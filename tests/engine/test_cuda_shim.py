@@ -151,12 +151,19 @@ def test_bf16_log_probabilities_stay_close_to_the_torch_backend(gqa64: Path) -> 
                   max_num_batched_tokens=32, swap_space=0.05)
         runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
     for shim, ref in zip(*runs):
-        assert shim.token_ids == ref.token_ids
         assert shim.logprobs is not None and ref.logprobs is not None
-        for got, want in zip(shim.logprobs, ref.logprobs):
+        # Compared while both saw the same context: up to and including the first step whose
+        # greedy picks differ (bf16 rounds differently per CPU, so a near-tie may flip).
+        same = next((i for i, (a, b) in enumerate(zip(shim.token_ids, ref.token_ids, strict=True))
+                     if a != b), len(ref.token_ids))
+        for got, want in zip(shim.logprobs[:same + 1], ref.logprobs[:same + 1]):
             common = got.keys() & want.keys()
             assert len(common) >= 4  # the same top tokens, give or take a near-tie at rank 5
             assert max(abs(got[t] - want[t]) for t in common) <= BF16_LOGPROB_TOL
+        if same < len(ref.token_ids):  # a different pick from the same context: a near-tie only
+            want = ref.logprobs[same]
+            assert shim.token_ids[same] in want
+            assert want[ref.token_ids[same]] - want[shim.token_ids[same]] <= 2 * BF16_LOGPROB_TOL
 
 
 def test_worker_flag_and_config_name_the_backend_and_refuse_what_cannot_run() -> None:
