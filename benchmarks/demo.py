@@ -28,6 +28,7 @@ import redis
 from tqdm import tqdm
 
 from producer import AsyncClient, Client
+from producer.protocol import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "models" / "genq-tiny-stdlib"
@@ -80,7 +81,8 @@ class Fleet:
                                "--num-gpu-blocks-override", "512", "--swap-space", "0.05",
                                "--drain-timeout", "5"])
         conn = redis.Redis(port=self.port, socket_timeout=5)
-        self._wait(lambda: all(conn.exists(f"genq:worker:{n}") for n in names), 300,
+        beats = [Keys().worker(self.served_name, n) for n in names]
+        self._wait(lambda: all(conn.exists(key) for key in beats), 300,
                    "the workers to load the model")
         return names
 
