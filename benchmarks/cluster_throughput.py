@@ -115,7 +115,7 @@ def measure(url: str, nodes: list[Any], models: list[str], args: argparse.Namesp
 
 
 def main() -> None:
-    from tests.fleet.clusters import RedisClusterSet
+    from tests.harness.clusters import RedisClusterSet
 
     from tests.harness.fleet import RedisServer
 
