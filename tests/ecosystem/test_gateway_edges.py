@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +19,8 @@ from tests.harness.fleet import RedisServer, reply_events
 from tests.harness.gateway import (
     MODEL_DIR,
     PROMPT,
-    TEMPLATE,
     GatewayProcess,
+    chat_model,
     entry_key,
     gateway_fleet,
     sse,
@@ -31,12 +30,8 @@ from tests.harness.gateway import (
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, GatewayProcess]]:
     """The demo model as "tiny", and a copy with a chat template as "chat"."""
-    chat_model = tmp_path_factory.mktemp("edges-chat-model") / "genq-tiny-chat"
-    shutil.copytree(MODEL_DIR, chat_model)
-    config_path = chat_model / "tokenizer_config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()),
-                                       "chat_template": TEMPLATE}))
-    workers = [(MODEL_DIR, "gw-edges", "tiny"), (chat_model, "gw-edges-chat", "chat")]
+    chat = chat_model(tmp_path_factory.mktemp("edges-chat-model") / "genq-tiny-chat")
+    workers = [(MODEL_DIR, "gw-edges", "tiny"), (chat, "gw-edges-chat", "chat")]
     with gateway_fleet(tmp_path_factory.mktemp("gateway-edges"), workers,
                        "--resume-grace", "0.2") as pair:
         yield pair
