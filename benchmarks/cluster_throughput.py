@@ -116,7 +116,6 @@ def measure(url: str, nodes: list[Any], models: list[str], args: argparse.Namesp
 
 def main() -> None:
     from tests.harness.clusters import RedisClusterSet
-
     from tests.harness.fleet import RedisServer
 
     p = argparse.ArgumentParser(description=__doc__,
