@@ -43,8 +43,8 @@ end
 # all of the worker's pending entries once (XPENDING) and checks every job of the call; the writer
 # then trusts only those, and flags `check` on any other entry's next write. While the counter
 # stands still, only flagged entries are checked, each on its own (an XPENDING of one id): at
-# steady state none, where the walk cost ~2 us of Redis per event at 256 jobs, a third of the
-# script. The writer passes '' at start, after a connection error and at least once a second.
+# steady state none, so a token event does not pay for a walk of every pending entry. The writer
+# passes '' at start, after a connection error and at least once a second.
 # The reply key's TTL is set when the writer asks (its first event, then now and then), not on
 # every event; the terminal event sets it again.
 # A reply key that holds something other than a stream (WRONGTYPE: not genq's writing) fails
