@@ -60,7 +60,7 @@ def compile_times(engine: Any) -> dict[str, float]:
     from engine.grammar import _checked_grammar, grammar_of
     from engine.sampling_params import StructuredOutputsParams
     from engine.structured_outputs import StructuredOutputs
-    from tests.engine.test_structured_outputs import SCHEMAS
+    from tests.harness.schemas import SCHEMAS
 
     start = time.perf_counter()
     fresh = StructuredOutputs(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
