@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     report(rounds, args)
     save_bars("prefix_caching", "output tokens/s, median of rounds", [
         (label, statistics.median(row[on]["output_tokens_per_s"] for row in rounds))
-        for label, on in (("genq, prefix caching on", True), ("genq, prefix caching off", False))],
+        for label, on in (("genq, prefix caching on", True), ("prefix caching off", False))],
         title=f"{args.requests} requests sharing a {args.system}-token system prompt")
     if args.json:
         Path(args.json).write_text(json.dumps(
