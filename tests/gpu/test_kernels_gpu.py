@@ -11,7 +11,7 @@ import torch
 from engine import kernels
 from engine.attention.cupy_backend import CupyAttentionBackend, swap_blocks
 from tests.kernels import reference
-from tests.kernels.cases import Case, make_case, max_rel_err
+from tests.kernels.cases import Case, assert_matches, make_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,23 +20,10 @@ pytestmark = [
 
 VARIANTS = [(dtype, head, block) for dtype in kernels.DTYPE_NAMES for head in kernels.HEAD_SIZES
             for block in kernels.BLOCK_SIZES]
-FP32_REL_ERR = 1e-5
-ROUNDING = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 
 
 def _ids(v: tuple[torch.dtype, int, int]) -> str:
     return f"{str(v[0]).removeprefix('torch.')}-h{v[1]}-b{v[2]}"
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    out = out.cpu()
-    assert not out.isnan().any(), "NaN in the output: a stale or free slot was read"
-    if dtype == torch.float32:
-        assert max_rel_err(out, ref) < FP32_REL_ERR
-    else:
-        err = (out.double() - ref).abs()
-        bound = ROUNDING[dtype] * ref.abs() + FP32_REL_ERR * ref.abs().max()
-        assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
 
 
 def forward(c: Case, num_decode_seqs: int) -> torch.Tensor:
