@@ -157,21 +157,23 @@ class StructuredOutputs:
                 error = self.sync(group, seq)[1]
                 if error is not None:
                     return error
-        if pending:
+        error = None
+        if pending:  # (every matcher consumes its token: count each one that took it)
             for ok, state, (matcher, token) in zip(
                     self._executor().consume_token_par(pending), states, pending):
-                if not ok:
-                    return f"the grammar refused output token {token}: {matcher.get_error()}"[:500]
-                state.num_consumed += 1
-        return None
+                if ok:
+                    state.num_consumed += 1
+                elif error is None:
+                    error = (f"the grammar refused output token(s) {[token]}: "
+                             f"{matcher.get_error()}")
+        return None if error is None else error[:500]
 
     def prefetch(self, items: list[tuple[SequenceGroup, Sequence]]) -> None:
         """Before the model runs: bring the matchers of this step's constrained samples up to
         date and start their masks on the mask thread. wait() before touching a matcher."""
-        seqs = []
-        for group, seq in items:
-            if self.sync(group, seq)[1] is None:
-                seqs.append(seq)
+        seqs = [seq for _, seq in items]
+        if self.sync_all(items) is not None:  # (the step reports the broken row; not its mask)
+            seqs = [seq for group, seq in items if self.sync(group, seq)[1] is None]
         if seqs:
             if self._mask_pool is None:
                 self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")

@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.grammar import grammar_of
 from engine.sampler import fix_disallowed
+from engine.sampling_params import StructuredOutputsParams
+from engine.sequence import Sequence, SequenceGroup
+from engine.structured_outputs import StructuredOutputs
 from tests.harness.engine import hf_greedy, random_prompts
 from tests.harness.schemas import SCHEMAS
 
@@ -280,3 +284,26 @@ def test_fix_disallowed_takes_the_best_allowed_token_and_the_first_of_a_tie():
     assert fix_disallowed(logits, tokens, [0, 1, 2], packed, 64)
     assert tokens == [7, 50, 33, 1]
     assert not fix_disallowed(logits, [7], [0], np.zeros((1, 2), dtype=np.int32), 64)
+
+
+def test_one_call_syncs_every_matcher_and_names_the_token_a_grammar_refuses(demo_llm):
+    eng = demo_llm.engine
+    so = StructuredOutputs(eng.tokenizer, eng.vocab_size, eng.eos_token_ids)
+    one, x, two = (eng.tokenizer.convert_tokens_to_ids(c) for c in "1x2")
+    groups = []
+    for k in range(3):
+        seq = Sequence(seq_id=k, index=0, token_ids=[5, 6, one], num_prompt_tokens=2)
+        groups.append(SequenceGroup(f"r{k}", SamplingParams(), [seq], seed=0))
+        if not so.start(groups[-1], grammar_of(StructuredOutputsParams(regex="1x2"))):
+            assert so.poll(wait=True) == ([groups[-1]], [])
+    items = [(g, g.seqs[0]) for g in groups]
+    assert so.sync_all(items) is None
+    for g, token in zip(groups, [x, one, x]):  # the middle one breaks "1x2"
+        g.seqs[0].token_ids.append(token)
+    assert so.sync_all(items) == f"the grammar refused output token(s) [{one}]: " + \
+        so._matchers[1].matcher.get_error()
+    for g in groups[::2]:  # the others took their token once: "2" is next, and only "2"
+        g.seqs[0].token_ids.append(two)
+    assert so.sync_all(items[::2]) is None
+    for g in groups[::2]:
+        assert so.sync(g, g.seqs[0]) == (True, None)
