@@ -167,18 +167,22 @@ def fix_disallowed(logits: torch.Tensor, tokens: list[int], rows: list[int], pac
     if not redo:
         return True
     packed = packed[redo]
-    allowed = unpack(packed, vocab_size, logits.device)
     if vocab_size == 32 * packed.shape[1]:  # (no bits past the vocabulary to exclude)
         if not packed.any(axis=1).all():
             return False
-    elif not bool(allowed.any(dim=1).all()):
+    elif not unpack(packed, vocab_size, torch.device("cpu")).any(dim=1).all():
         return False
-    if len(redo) < len(logits):  # (index_select: the cheap gather of rows)
-        logits = logits.index_select(0, torch.tensor([rows[k] for k in redo],
-                                                     device=logits.device))
-    sub = torch.where(allowed, logits[:, :vocab_size].float(), float("-inf"))
-    for k, token in zip(redo, _argmax(sub).tolist()):
-        tokens[rows[k]] = token
+    take = [rows[k] for k in redo]
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:  # (numpy: cheaper here)
+        bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")
+        sub = logits.numpy()[take, :vocab_size]
+        best = np.where(bits[:, :vocab_size].view(bool), sub, np.float32(-np.inf)).argmax(1)
+    else:
+        allowed = unpack(packed, vocab_size, logits.device)
+        sub_t = logits[torch.tensor(take, device=logits.device), :vocab_size].float()
+        best = _argmax(torch.where(allowed, sub_t, float("-inf"))).cpu().numpy()
+    for row, token in zip(take, best.tolist()):
+        tokens[row] = token
     return True
 
 
