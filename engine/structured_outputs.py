@@ -233,4 +233,3 @@ class StructuredOutputs:
         self.pending.clear()
         self._templates.clear()
         self._matchers.clear()
-
