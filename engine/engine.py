@@ -93,7 +93,7 @@ class Engine:
         # Masks overlap the model where the CPU is free while it runs (a device); a CPU
         # worker's cores run the model, and a thread more than cores stalls its OpenMP barriers.
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                            overlap=self.device.type != "cpu")
+                                            self.device.type, overlap=self.device.type != "cpu")
         self.step_sampler = StepSampler(Sampler(self.vocab_size), self.structured,
                                         self.eos_token_ids, self.vocab_size,
                                         self.max_model_len)
@@ -235,7 +235,7 @@ class Engine:
         if self.structured.overlap and self.structured.active:
             self.structured.prefetch([(item.group, item.seq) for item in batch
                                       if item.do_sample and item.group.params
-                                      .structured_outputs is not None], self.device)
+                                      .structured_outputs is not None])
         logits = self.runner.execute(batch, self.kv_cache.device_cache)
         self.structured.wait()
         return logits

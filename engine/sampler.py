@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -51,27 +52,34 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  grammar_rows: list[int] | None = None,
-                 banned: torch.Tensor | None = None) -> SampleResult:
-        """`banned` (bool [len(grammar_rows), vocab]): the tokens the grammar forbids each of
-        `grammar_rows` to draw; the other rows are not touched."""
+                 allowed: torch.Tensor | None = None) -> SampleResult:
+        """`allowed` (bool [len(grammar_rows), vocab]): the tokens the grammar lets each of
+        `grammar_rows` draw; the other rows are not touched."""
         logits = logits[:, : self.vocab_size].float()
+        no_token: set[int] = set()
         if grammar_rows:
-            assert banned is not None
+            assert allowed is not None
+            no_token.update(grammar_rows[k] for k in
+                            (~allowed.any(dim=1)).nonzero().flatten().tolist())
             if len(grammar_rows) == len(rows):
-                logits.masked_fill_(banned, float("-inf"))
+                logits = torch.where(allowed, logits, float("-inf"))
             else:
                 idx = torch.tensor(grammar_rows, device=logits.device)
-                logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+                logits[idx] = torch.where(allowed, logits[idx], float("-inf"))
         if any(r.params.allowed_token_ids is not None for r in rows):
             logits = _apply_token_lists(logits, rows)
-        masked = bool(grammar_rows)
+        # Rows a later mask may have emptied: allowed_token_ids, or the min_tokens ban on top of
+        # one of the others (a grammar row's own emptiness is read from its mask above).
+        grammar = set(grammar_rows or ())
+        check = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None
+                 or (row.banned_token_ids and i in grammar)]
         for i, row in enumerate(rows):
             if row.banned_token_ids:
                 logits[i, row.banned_token_ids] = float("-inf")
-                masked = masked or row.params.allowed_token_ids is not None
-        no_token: frozenset[int] = frozenset()
-        if masked:
-            no_token = frozenset(torch.isneginf(logits).all(dim=1).nonzero().flatten().tolist())
+        if check:
+            idx = torch.tensor(check, device=logits.device)
+            empty = torch.isneginf(logits[idx]).all(dim=1).nonzero().flatten().tolist()
+            no_token.update(check[k] for k in empty)
         if any(r.params.logit_bias for r in rows):
             logits = _apply_logit_bias(logits, rows)
         if any(_has_penalty(r.params) for r in rows):
@@ -101,7 +109,7 @@ class Sampler:
                 assert lp is not None
                 tops[i] = _top(torch.log_softmax(logits[i], dim=-1), row.params.logprobs,
                                token_ids[i], lp)
-        return SampleResult(token_ids, chosen_lp, tops, no_token)
+        return SampleResult(token_ids, chosen_lp, tops, frozenset(no_token))
 
     @torch.inference_mode()
     def greedy(self, logits: torch.Tensor) -> list[int]:
@@ -136,10 +144,46 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 def plain_greedy(p: SamplingParams) -> bool:
     """Whether every token of a request is the argmax of its raw logits (no penalty, no ban
     under min_tokens, no logprobs, one sequence): the engine then skips the sampler."""
+    return p.structured_outputs is None and greedy_but_grammar(p)
+
+
+def greedy_but_grammar(p: SamplingParams) -> bool:
+    """plain_greedy but for a grammar: each token is the argmax of what the grammar allows."""
     return (p.temperature == 0.0 and p.best_of == 1 and not p.use_beam_search
             and p.logprobs is None and p.min_tokens == 0 and not _has_penalty(p)
-            and p.structured_outputs is None and not p.logit_bias
-            and p.allowed_token_ids is None)
+            and not p.logit_bias and p.allowed_token_ids is None)
+
+
+@torch.inference_mode()
+def fix_disallowed(logits: torch.Tensor, tokens: list[int], rows: list[int], packed: np.ndarray,
+                   vocab_size: int) -> bool:
+    """Greedy under grammars: `tokens` (the raw argmax of each logits row) where each of `rows`
+    takes the argmax of what its mask (`packed`, see unpack) allows instead. Most rows' argmax
+    is allowed, so only the others get their masks unpacked and applied. False (tokens partly
+    changed) when a row's mask allows nothing."""
+    chosen = np.asarray([tokens[r] for r in rows], dtype=np.int64)
+    words = packed[np.arange(len(rows)), chosen >> 5].astype(np.int64)
+    redo = np.flatnonzero(((words >> (chosen & 31)) & 1) == 0).tolist()
+    if not redo:
+        return True
+    packed = packed[redo]
+    if vocab_size == 32 * packed.shape[1]:  # (no bits past the vocabulary to exclude)
+        if not packed.any(axis=1).all():
+            return False
+    elif not unpack(packed, vocab_size, torch.device("cpu")).any(dim=1).all():
+        return False
+    take = [rows[k] for k in redo]
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:  # (numpy: cheaper here)
+        bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")
+        sub = logits.numpy()[take, :vocab_size]
+        best = np.where(bits[:, :vocab_size].view(bool), sub, np.float32(-np.inf)).argmax(1)
+    else:
+        allowed = unpack(packed, vocab_size, logits.device)
+        sub_t = logits[torch.tensor(take, device=logits.device), :vocab_size].float()
+        best = _argmax(torch.where(allowed, sub_t, float("-inf"))).cpu().numpy()
+    for row, token in zip(take, best.tolist()):
+        tokens[row] = token
+    return True
 
 
 def _wants_logprobs(p: SamplingParams) -> bool:
@@ -259,3 +303,13 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return x ^ (x >> 31)
+
+
+def unpack(packed: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A packed bitmask (little-endian int32 words) as a bool [rows, vocab_size] tensor."""
+    if device.type == "cpu":  # (numpy's unpackbits is one C pass)
+        bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, :vocab_size]).view(torch.bool)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits_t = (torch.from_numpy(packed).to(device).unsqueeze(-1) >> shifts) & 1
+    return bits_t.view(len(packed), -1)[:, :vocab_size] != 0

@@ -4,7 +4,9 @@ Logits row r belongs to the r-th scheduled sequence that samples. Each such sequ
 sample row, except the first sample of a best_of group, which fans out into best_of rows (one
 per sequence the group forks into). min_tokens bans EOS and the stop ids; structured outputs
 mask what the grammar refuses; beam-search groups choose their candidates together. A batch of
-plain greedy requests needs no sample rows: its tokens are the argmax of each row.
+plain greedy requests needs no sample rows: its tokens are the argmax of each row; nor does
+one of greedy requests some of which a grammar constrains (each takes the argmax of what it
+allows).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine import beam_search
-from engine.sampler import Sampler, SampleRow
+from engine.sampler import Sampler, SampleRow, fix_disallowed, greedy_but_grammar
 from engine.scheduler_output import Sample, Sampled, ScheduledSeq
 from engine.sequence import Sequence, SequenceGroup
 from engine.structured_outputs import StructuredOutputs
@@ -32,6 +34,11 @@ class StepSampler:
         if all(item.group.plain_greedy for item in items):  # the common case: argmax only
             tokens = self.sampler.greedy(logits) if items else []
             return Sampled(items, tokens, num_generated=len(tokens))
+        if all(item.group.plain_greedy or greedy_but_grammar(item.group.params)
+               for item in items):
+            constrained = self._greedy_under_grammars(items, logits)
+            if constrained is not None:
+                return Sampled(items, constrained, num_generated=len(constrained))
         sampled = Sampled(items)
         rows: list[SampleRow] = []
         row_index: list[int] = []  # per sample row, its logits row
@@ -81,6 +88,22 @@ class StepSampler:
         sampled.num_generated = len(rows) + sum(c.num_tokens for c in sampled.beams)
         return sampled
 
+    def _greedy_under_grammars(self, items: list[ScheduledSeq],
+                               logits: torch.Tensor) -> list[int] | None:
+        """The tokens of a batch of greedy requests, some constrained (no min_tokens, so a
+        complete grammar changes nothing but the mask). None when a constrained row has no
+        token to take: the general path then ends it with its error."""
+        rows = [r for r, item in enumerate(items)
+                if item.group.params.structured_outputs is not None]
+        if self.structured.sync_all([(items[r].group, items[r].seq) for r in rows]) is not None:
+            return None
+        seqs = [items[r].seq for r in rows]
+        tokens = self.sampler.greedy(logits)
+        packed = self.structured.packed(seqs)
+        if not fix_disallowed(logits, tokens, rows, packed, self.vocab_size):
+            return None
+        return tokens
+
     def _draw(self, rows: list[SampleRow], samples: list[Sample], logits: torch.Tensor,
               row_index: list[int] | None, grammar_rows: list[int],
               grammar_seqs: list[Sequence]) -> None:
@@ -89,8 +112,8 @@ class StepSampler:
         if row_index is not None:  # fan-out rows repeat their parent's row, beam rows go elsewhere
             logits = logits[torch.tensor(row_index, device=logits.device)]
         if grammar_seqs:
-            grammar_ban = self.structured.masks(grammar_seqs, logits.device)
-            result = self.sampler(logits, rows, grammar_rows, grammar_ban)
+            allowed = self.structured.masks(grammar_seqs, logits.device)
+            result = self.sampler(logits, rows, grammar_rows, allowed)
         else:
             result = self.sampler(logits, rows)
         for r, (sample, token, lp, top) in enumerate(zip(

@@ -12,11 +12,12 @@ Rules this module keeps:
 - Each distinct grammar compiles once per engine (an LRU of compiled matchers, copied per
   sequence). Compiling runs on a thread of its own with a deadline: the request waits, the steps
   of everyone else do not.
-- The masks of all constrained rows of a step fill one packed bitmask (llguidance works without
-  the GIL); the sampler applies it with one masked_fill. On a device worker the masks are
-  computed on a thread of their own while the model runs (they depend only on the tokens sampled
-  before the step); a CPU worker's cores run the model, so there they are computed in turn.
-  Steps without constrained rows do none of this.
+- The masks of all constrained rows of a step fill one packed bitmask in one call into
+  llguidance (without the GIL), as do the matchers' one-token syncs; the sampler applies the
+  bitmask to all rows at once (greedy rows: only to those whose argmax it bans). On a device
+  worker the masks are computed on a thread of their own while the model runs (they depend only
+  on the tokens sampled before the step); a CPU worker's cores run the model, so there they are
+  computed in turn. Steps without constrained rows do none of this.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.grammar import DEFAULT_CACHE_SIZE, GrammarCompiler
+from engine.grammar import DEFAULT_CACHE_SIZE, GrammarCompiler, _llguidance
+from engine.sampler import unpack
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence, SequenceGroup
@@ -54,14 +56,18 @@ class StructuredOutputs:
     """The engine's grammar state: compiled grammars, one matcher per constrained sequence."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int],
-                 overlap: bool = False, cache_size: int = DEFAULT_CACHE_SIZE,
+                 device_type: str = "cpu", overlap: bool = False,
+                 cache_size: int = DEFAULT_CACHE_SIZE,
                  compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.compile_timeout_s = compile_timeout_s
+        self.device_type = device_type  # where the model runs: "cpu" fills masks on one thread
         self.overlap = overlap  # compute masks while the model runs (prefetch)
         self._mask_pool: ThreadPoolExecutor | None = None
+        self._one_thread: Any = None  # llguidance's executor of one thread, on a CPU worker
+        self._mask_words = (max(vocab_size, len(tokenizer)) + 31) // 32
         self._prefetched: Future[tuple[dict[int, int], np.ndarray]] | None = None
         self._ready: tuple[dict[int, int], np.ndarray] | None = None
         self.compiler = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids, cache_size)
@@ -135,57 +141,85 @@ class StructuredOutputs:
             state.num_consumed = num_out
         return matcher.is_stopped(), None
 
-    def prefetch(self, items: list[tuple[SequenceGroup, Sequence]], device: torch.device) -> None:
+    def sync_all(self, items: list[tuple[SequenceGroup, Sequence]]) -> str | None:
+        """sync() for many sequences, those one token behind (the common case) in one call into
+        llguidance: None, or the first error met."""
+        pending, states = [], []
+        for group, seq in items:
+            state = self._matchers.get(seq.seq_id)
+            ids = seq.token_ids
+            num_out = len(ids) - seq.num_prompt_tokens
+            if state is not None and state.num_consumed == num_out - 1 \
+                    and not state.matcher.is_stopped():
+                pending.append((state.matcher, ids[-1]))
+                states.append(state)
+            else:
+                error = self.sync(group, seq)[1]
+                if error is not None:
+                    return error
+        error = None
+        if pending:  # (every matcher consumes its token: count each one that took it)
+            for ok, state, (matcher, token) in zip(
+                    self._executor().consume_token_par(pending), states, pending):
+                if ok:
+                    state.num_consumed += 1
+                elif error is None:
+                    error = (f"the grammar refused output token(s) {[token]}: "
+                             f"{matcher.get_error()}")
+        return None if error is None else error[:500]
+
+    def prefetch(self, items: list[tuple[SequenceGroup, Sequence]]) -> None:
         """Before the model runs: bring the matchers of this step's constrained samples up to
         date and start their masks on the mask thread. wait() before touching a matcher."""
-        seqs = []
-        for group, seq in items:
-            if self.sync(group, seq)[1] is None:
-                seqs.append(seq)
+        seqs = [seq for _, seq in items]
+        if self.sync_all(items) is not None:  # (the step reports the broken row; not its mask)
+            seqs = [seq for group, seq in items if self.sync(group, seq)[1] is None]
         if seqs:
             if self._mask_pool is None:
                 self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")
-            self._prefetched = self._mask_pool.submit(self._fill, seqs, device.type)
+            self._prefetched = self._mask_pool.submit(self._fill, seqs)
 
     def wait(self) -> None:
         if self._prefetched is not None:
             self._ready = self._prefetched.result()
             self._prefetched = None
 
-    def masks(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-        """The tokens each (synced) sequence may NOT draw next: a bool [len(seqs), vocab]
-        tensor, from one packed bitmask of every distinct sequence (prefetched, or filled now)."""
+    def packed(self, seqs: list[Sequence]) -> np.ndarray:
+        """The tokens each (synced) sequence may draw next, packed: int32 [len(seqs), words],
+        bit t % 32 of word t // 32 set when token t is allowed (prefetched, or filled now)."""
         ready, self._ready = self._ready, None
         if ready is None or any(s.seq_id not in ready[0] for s in seqs):
-            ready = self._fill(seqs, device.type)
+            ready = self._fill(seqs)
         index, packed = ready
         rows = [index[s.seq_id] for s in seqs]
         if rows != list(range(len(index))):
             packed = packed[rows]
-        if device.type == "cpu":  # (numpy's unpackbits is one C pass; little-endian words)
-            bits = np.unpackbits((~packed).view(np.uint8), axis=1, bitorder="little")
-            return torch.from_numpy(bits[:, : self.vocab_size]).view(torch.bool)
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        bits_t = (torch.from_numpy(packed).to(device).unsqueeze(-1) >> shifts) & 1
-        return bits_t.view(len(seqs), -1)[:, : self.vocab_size] == 0
+        return packed
 
-    def _fill(self, seqs: list[Sequence], device_type: str) -> tuple[dict[int, int], np.ndarray]:
+    def masks(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """The tokens each (synced) sequence may draw next: a bool [len(seqs), vocab] tensor."""
+        return unpack(self.packed(seqs), self.vocab_size, device)
+
+    def _fill(self, seqs: list[Sequence]) -> tuple[dict[int, int], np.ndarray]:
         index: dict[int, int] = {}
         for seq in seqs:
             index.setdefault(seq.seq_id, len(index))
-        width = (max(self.vocab_size, len(self.tokenizer)) + 31) // 32
+        width = self._mask_words
         packed = np.zeros((len(index), width), dtype=np.int32)
         matchers = [(self._matchers[sid].matcher, k) for sid, k in index.items()]
-        if device_type == "cpu":
-            # On a CPU worker the cores run the model: compute on one thread, not on a pool
-            # whose idle threads spin against the model's.
-            base, row_bytes = packed.ctypes.data, width * 4
-            for matcher, k in matchers:
-                matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
-        else:  # (the device runs the model: the CPU's cores are free for the pool)
-            self.compiler.executor.unsafe_compute_mask_ptr(matchers, packed.ctypes.data, width * 4,
-                                                   len(index))
+        self._executor().unsafe_compute_mask_ptr(matchers, packed.ctypes.data, width * 4,
+                                                 len(index))
         return index, packed
+
+    def _executor(self) -> Any:
+        """llguidance's executor for a step's matchers: its pool where a device runs the model
+        and the CPU's cores are free; on a CPU worker, whose cores run the model, one thread (not
+        a pool whose idle threads spin against the model's)."""
+        if self.device_type != "cpu":
+            return self.compiler.executor
+        if self._one_thread is None:
+            self._one_thread = _llguidance().LLExecutor(num_threads=1)
+        return self._one_thread
 
     def release(self, group: SequenceGroup) -> None:
         self.pending.pop(group.request_id, None)
