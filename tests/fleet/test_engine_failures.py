@@ -84,7 +84,8 @@ class ThreadWorker:
                                           num_gpu_blocks_override=256, swap_space=0.01,
                                           num_threads=1, output_kind="delta"))
         if poison is not None:
-            self.engine.sampler = poison(self.engine.sampler)  # type: ignore[assignment]
+            self.engine.step_sampler.sampler = poison(  # type: ignore[assignment]
+                self.engine.step_sampler.sampler)
         self.worker = Worker(self.engine, WorkerConfig(
             redis_url=server.url, served_model_name="tiny", name=name, heartbeat_ttl=2.0,
             reclaim_interval=0.5, result_ttl=60, drain_timeout=10.0, block_ms=100))
