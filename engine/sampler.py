@@ -48,6 +48,7 @@ class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._vocab_hash: torch.Tensor | None = None
+        self._vocab_hash_u32: np.ndarray | None = None
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
@@ -118,19 +119,50 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
-        logits = logits / temps[:, None]
-        logits = _filter(logits, rows)
-        return (logits + self._gumbel(rows, logits.device)).argmax(dim=-1)
+        logits = _filter(logits / temps[:, None], rows)  # (a new tensor: added to in place)
+        return _argmax(logits.add_(self._gumbel(rows, logits.device)))
 
     def _gumbel(self, rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+        """Gumbel noise [rows, vocab]: -log(-log(u)), u from the hash of (row key, token id)."""
+        keys = [_row_key(r.seed, r.seq_index, r.position) for r in rows]
+        if device.type == "cpu":
+            if self._vocab_hash_u32 is None:
+                self._vocab_hash_u32 = vocab_hash(self.vocab_size).numpy().astype(np.uint32)
+            return gumbel_cpu(self._vocab_hash_u32, keys)
         if self._vocab_hash is None or self._vocab_hash.device != device:
-            ids = torch.arange(self.vocab_size, dtype=torch.int64, device=device)
-            self._vocab_hash = _fmix32((ids * 0x9E3779B1 + 0x7F4A7C15) & _M32)
-        keys = torch.tensor([_row_key(r.seed, r.seq_index, r.position) for r in rows],
-                            dtype=torch.int64, device=device)
-        h = _fmix32(self._vocab_hash[None, :] ^ keys[:, None])
-        u = (h.double() + 0.5) / 4294967296.0
-        return (-torch.log(-torch.log(u))).float()
+            self._vocab_hash = vocab_hash(self.vocab_size).to(device)
+        return gumbel_torch(self._vocab_hash, keys)
+
+
+def vocab_hash(vocab_size: int) -> torch.Tensor:
+    """Each token id's hash (int64 holding 32 bits), the per-token half of the noise key."""
+    ids = torch.arange(vocab_size, dtype=torch.int64)
+    return _fmix32((ids * 0x9E3779B1 + 0x7F4A7C15) & _M32)
+
+
+def gumbel_torch(token_hash: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """The noise in torch int64 arithmetic: any device."""
+    k = torch.tensor(keys, dtype=torch.int64, device=token_hash.device)
+    h = _fmix32(token_hash[None, :] ^ k[:, None])
+    u = (h.double() + 0.5) / 4294967296.0
+    return (-torch.log(-torch.log(u))).float()
+
+
+def gumbel_cpu(token_hash: np.ndarray, keys: list[int]) -> torch.Tensor:
+    """The same noise, bit for bit, on the CPU: the hash in uint32 (multiplication wraps mod
+    2**32 by itself) computed in place, then the same torch logs, in place. Half the memory
+    traffic of int64 and no temporaries: several times cheaper for a batch's [rows, vocab]."""
+    h = np.bitwise_xor(token_hash[None, :], np.asarray(keys, dtype=np.uint32)[:, None])
+    t = np.empty_like(h)
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        np.right_shift(h, shift, out=t)
+        h ^= t
+        h *= np.uint32(mult)
+    np.right_shift(h, 16, out=t)
+    h ^= t
+    u = np.add(h, 0.5, dtype=np.float64)  # (h + 0.5) / 2**32: exact in double
+    u *= 1.0 / 4294967296.0
+    return torch.from_numpy(u).log_().neg_().log_().neg_().float()
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

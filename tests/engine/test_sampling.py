@@ -243,3 +243,39 @@ def test_a_temperature_below_001_samples_at_001_as_in_vllm(tiny_llama, make_llm)
     greedy = hf_greedy(tiny_llama, PROMPTS, 12)
     assert sum(t == g for t, g in zip(tiny, greedy)) >= len(PROMPTS) - 1
 
+
+
+def _noise_reference(key: int, token_id: int) -> float:
+    """The documented noise of one (row key, token id), in plain Python integers and math.log."""
+    def fmix32(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+    h = fmix32(fmix32((token_id * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF) ^ key)
+    return -math.log(-math.log((h + 0.5) / 4294967296.0))
+
+
+@pytest.mark.parametrize("vocab_size", [17, 4096, 32003])
+def test_the_cpu_noise_is_the_torch_noise_bit_for_bit(vocab_size):
+    # The CPU path (uint32 hashing in numpy, logs in place) and the torch path every device
+    # runs must give the same float32 noise, or a seeded job would sample other tokens on a
+    # CPU worker than on a GPU worker, and after a failover between them.
+    import random
+
+    import numpy as np
+
+    from engine.sampler import gumbel_cpu, gumbel_torch, vocab_hash
+
+    rng = random.Random(vocab_size)
+    keys = [rng.getrandbits(32) for _ in range(37)] + [0, 0xFFFFFFFF]
+    token_hash = vocab_hash(vocab_size)
+    cpu = gumbel_cpu(token_hash.numpy().astype(np.uint32), keys)
+    reference = gumbel_torch(token_hash, keys)
+    assert cpu.dtype == reference.dtype == torch.float32
+    assert cpu.shape == (len(keys), vocab_size)
+    assert torch.equal(cpu, reference)
+    for row, token in [(0, 0), (5, vocab_size - 1), (len(keys) - 1, vocab_size // 2)]:
+        expected = torch.tensor(_noise_reference(keys[row], token), dtype=torch.float32)
+        assert torch.equal(cpu[row, token], expected), (row, token)
