@@ -39,6 +39,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.spec_decode import Speculator
 from engine.step_sampler import StepSampler
 from engine.stop_checker import StopChecker
 from engine.structured_outputs import StructuredOutputs
@@ -97,6 +98,9 @@ class Engine:
         self.step_sampler = StepSampler(Sampler(self.vocab_size), self.structured,
                                         self.eos_token_ids, self.vocab_size,
                                         self.max_model_len)
+        spec = config.speculative
+        self.speculator = None if spec is None else Speculator(
+            spec, self.step_sampler.sampler, self.eos_token_ids, self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}
         self._rejected: list[SequenceGroup] = []
         self._seed_rng = random.Random(config.seed)
@@ -107,6 +111,8 @@ class Engine:
                     params: SamplingParams | None = None, priority: int = 0) -> None:
         """Queue a request. `priority` (lower is sooner) needs scheduling_policy="priority"."""
         params = params or SamplingParams()
+        if self.speculator is not None:
+            self.speculator.check(params)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if priority and self.config.scheduling_policy != "priority":
@@ -181,12 +187,14 @@ class Engine:
         prefill chunk, text held back) has no output this step."""
         if self.structured.pending:
             self._admit_compiled()
-        sched = self.scheduler.schedule()
+        spec, sc = self.speculator, self.scheduler
+        sched = sc.schedule(spec.propose(sc.running, len(sc.running)) if spec else None)
         self._move_blocks(sched)
         batch = self.runner.order(sched.scheduled)
         if batch:
             logits = self._run(batch)
-            sampled = self.step_sampler(batch, logits)
+            sampled = spec.sample(batch, logits, self.step_sampler) if spec \
+                else self.step_sampler(batch, logits)
             for group in self.scheduler.update(sched, sampled):
                 self._release(group)
             self.counters["num_steps"] += 1
@@ -210,6 +218,7 @@ class Engine:
             / max(sc.counters["num_prompt_tokens"], 1),
             "num_compiling": self.structured.num_pending,  # waiting for their grammar
             **sc.counters, **self.counters, **self.structured.counters,
+            **(self.speculator.stats() if self.speculator else {}),
         }
 
     # -- the step's parts ------------------------------------------------------------------------

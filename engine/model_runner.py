@@ -39,8 +39,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], kv_cache: torch.Tensor) -> torch.Tensor:
-        """Run `batch` (already ordered) and return logits [num_sampling_seqs, vocab] in batch
-        order of the sequences that sample."""
+        """Run `batch` (already ordered) and return logits [num_sampling_rows, vocab] in batch
+        order of the sequences that sample: one row each, 1 + k for one speculating k tokens."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         ctx = ForwardContext(self.backend, meta, kv_cache)
         hidden = self.model(input_ids, positions, ctx)
@@ -67,13 +67,18 @@ class ModelRunner:
         num_decode = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
         # Per sequence, never per token: token slices, and position and slot ranges.
         tokens = list(chain.from_iterable(
-            s.seq.token_ids[a:b] for s, a, b in zip(batch, starts, seq_lens)))
+            s.seq.token_ids[a:b] if s.spec_token_ids is None else s.seq.token_ids[a:]
+            + s.spec_token_ids for s, a, b in zip(batch, starts, seq_lens)))
         positions = list(chain.from_iterable(map(range, starts, seq_lens)))
         slots = list(chain.from_iterable(
             _slots(t, a, b, bs) for t, a, b in zip(tables, starts, seq_lens)))
         cu_q = list(accumulate(q_lens, initial=0))
         n, num_tokens = len(batch), cu_q[-1]
-        sample_rows = [c - 1 for c, s in zip(cu_q[1:], batch) if s.do_sample]
+        # A speculated sequence samples at each of its positions (last token, proposals).
+        sample_rows = [c - 1 for c, s in zip(cu_q[1:], batch) if s.do_sample] \
+            if not any(s.spec_token_ids for s in batch) else list(chain.from_iterable(
+                range(c - q, c) if s.spec_token_ids else (c - 1,)
+                for c, q, s in zip(cu_q[1:], q_lens, batch) if s.do_sample))
         longs = self._upload(_int_tensor(tokens + positions + slots + sample_rows, torch.int64))
         ints = self._upload(_int_tensor(cu_q + seq_lens + flat_tables, torch.int32))
         input_ids, positions_t, slot_mapping = longs[:3 * num_tokens].view(3, num_tokens)
