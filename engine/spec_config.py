@@ -1,9 +1,9 @@
 """SpeculativeConfig: the engine's speculative_config dict (vLLM's keys), validated once.
 
 Two methods: "ngram" (prompt lookup: the tokens that followed the longest earlier match of the
-sequence's last n-gram) and "draft" (a small model with the target's vocabulary; not built yet,
-refused by name). Either way speculation never changes an output: verification accepts exactly
-the tokens plain decoding would draw (engine/spec_verifier.py).
+sequence's last n-gram) and "draft_model" (`model`: a small model directory with the target's
+vocabulary; the method is implied by `model`). Either way speculation never changes an output:
+verification accepts exactly the tokens plain decoding would draw (engine/spec_decode.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
         "disable_by_batch_size")
 
@@ -23,6 +23,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int  # the longest n-gram looked up (default 5)
     prompt_lookup_min: int  # the shortest one that may propose (default 1)
     disable_by_batch_size: int | None = None  # speculate only while this many or fewer run
+    model: str | None = None  # the draft model's directory ("draft_model")
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
@@ -33,10 +34,17 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {unknown}; the keys are "
                              f"{list(KEYS)}")
-        if config.get("model") is not None:
-            raise ValueError("speculative_config 'model' (a draft model) is not supported yet; "
-                             "use {'method': 'ngram', ...} (prompt lookup)")
-        method = config.get("method")
+        model = config.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config 'model' must be a model directory (a "
+                             f"string), got {model!r}")
+        method = config.get("method", "draft_model" if model else None)
+        if method == "draft_model" and not model:
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft "
+                             "model's directory")
+        if method == "ngram" and model:
+            raise ValueError("speculative_config method 'ngram' takes no 'model' (give "
+                             "'model' without 'method' for a draft model)")
         if method not in METHODS:
             raise ValueError(f"speculative_config 'method' must be one of {list(METHODS)}, "
                              f"got {method!r}")
@@ -55,7 +63,7 @@ class SpeculativeConfig:
             if limit < 1:
                 raise ValueError("speculative_config 'disable_by_batch_size' must be at least "
                                  f"1 (or absent: never disabled), got {limit}")
-        return cls(method, k, hi, lo, limit)
+        return cls(method, k, hi, lo, limit, model)
 
 
 def _int(config: dict[str, Any], key: str, default: int | None) -> int:

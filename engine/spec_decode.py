@@ -1,17 +1,19 @@
 """Speculator: speculative decoding that never changes an output.
 
 Each step, before scheduling, every running sequence that decodes gets up to k proposals
-(propose). The scheduler runs such a sequence with 1 + len(proposals) query tokens (its last
-token, then the proposals) in the one forward pass, chunked-prefill style, and the model runner
-returns logits for every one of those positions. Verification (sample) draws each position j
-exactly as plain decoding would draw output position num_out + j: the same processors
-(min_tokens' ban, logit_bias, penalties over the tokens before j, temperature, top-k/p, min-p)
-and the same position-keyed noise (engine/sampler.py). It accepts proposals while the drawn
-token equals the proposal; the first mismatch's drawn token is emitted too, and so is the token
-drawn after a fully accepted run. So the emitted tokens are exactly plain decoding's, greedy or
-sampled, seeded or not. The stop checker then appends them one at a time and drops those past
-a stop (Postprocessor.apply), and Scheduler.update gives back the KV slots of rejected tokens:
-the sequence keeps the blocks its computed tokens fill, as after plain decoding.
+(propose; a draft model's are placeholders until the schedule is known, then fill() runs the
+draft over what was scheduled, in slots the target's table holds by then). The scheduler runs
+such a sequence with 1 + len(proposals) query tokens (its last token, then the proposals) in
+the one forward pass, chunked-prefill style, and the model runner returns logits for every one
+of those positions. Verification (sample) draws each position j exactly as plain decoding
+would draw output position num_out + j: the same processors (min_tokens' ban, logit_bias,
+penalties over the tokens before j, temperature, top-k/p, min-p) and the same position-keyed
+noise (engine/sampler.py). It accepts proposals while the drawn token equals the proposal; the
+first mismatch's drawn token is emitted too, and so is the token drawn after a fully accepted
+run. So the emitted tokens are exactly plain decoding's, greedy or sampled, seeded or not. The
+stop checker then appends them one at a time and drops those past a stop
+(Postprocessor.apply), and Scheduler.update gives back the KV slots of rejected tokens: the
+sequence keeps the blocks its computed tokens fill, as after plain decoding.
 
 Not speculated: beam search (refused at add_request: its beams advance together, one token
 each), structured outputs (the grammar's mask is known one token ahead only), a best_of group
@@ -30,14 +32,16 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import Sample, Sampled, ScheduledSeq
 from engine.sequence import SequenceGroup
 from engine.spec_config import SpeculativeConfig
+from engine.spec_draft import DraftModel
 from engine.spec_proposer import NgramProposer
 from engine.step_sampler import StepSampler
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, sampler: Sampler, eos_token_ids: set[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, draft: DraftModel | None = None) -> None:
         self.config = config
+        self.draft = draft  # None: n-gram proposals
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.sampler = sampler
@@ -80,9 +84,20 @@ class Speculator:
                 k = min(self.k, self.max_model_len - len(ids))
                 if params.max_tokens is not None:
                     k = min(k, params.max_tokens - (len(ids) - seq.num_prompt_tokens) - 1)
-                if k > 0 and (proposal := self.proposer.propose(ids, k)):
+                if k <= 0:
+                    continue
+                if self.draft is not None:  # (placeholders: the draft fills what is scheduled)
+                    proposals[seq.seq_id] = [0] * k
+                elif proposal := self.proposer.propose(ids, k):
                     proposals[seq.seq_id] = proposal
         return proposals
+
+    def fill(self, batch: list[ScheduledSeq]) -> None:
+        """After scheduling: the draft model's proposals for the scheduled placeholders."""
+        if self.draft is not None:
+            items = [item for item in batch if item.spec_token_ids]
+            if items:
+                self.draft.propose(items)
 
     # -- after the forward pass ------------------------------------------------------------------
     def sample(self, batch: list[ScheduledSeq], logits: torch.Tensor,

@@ -54,7 +54,8 @@ def _accepted(llm) -> int:
     ({"method": "ngram", "num_speculative_tokens": "4"}, "must be an integer, got '4'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
      "'disable_by_batch_size' must be at least 1"),
-    ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft model.*not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "model": "/a/draft", "num_speculative_tokens": 2}, "takes no 'model'"),
     (["ngram"], "must be a dict"),
 ])
 def test_a_bad_speculative_config_is_refused_with_what_to_change(config, message):
