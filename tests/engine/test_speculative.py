@@ -1,6 +1,7 @@
 """Speculative decoding never changes an answer: greedy and seeded outputs (n=1 and n=3) are
-token-identical with and without n-gram speculation, under preemption by recompute and by swap,
-in any batch order; stops inside an accepted run end at the same token; nothing leaks.
+token-identical with and without speculation (n-gram, and a draft model: the target's first
+layers), under preemption by recompute and by swap, in any batch order; stops inside an
+accepted run end at the same token; nothing leaks.
 
 The prompts make proposals that are accepted (every test asserts accepted tokens in the stats,
 or it would prove nothing): the demo model (models/genq-tiny-stdlib) greedy-decodes code that
@@ -18,6 +19,7 @@ from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.spec_proposer import NgramProposer
 from tests.harness.engine import hf_greedy, random_prompts
+from tests.harness.models import build_truncated
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "genq-tiny-stdlib"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
@@ -36,6 +38,22 @@ def _tokens(outs) -> list[list[list[int]]]:
 def _seeded(n: int, max_tokens: int = 40) -> list[SamplingParams]:
     return [SamplingParams(n=n, temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=max_tokens,
                            ignore_eos=True, logit_bias=BIAS) for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def demo_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model's first 2 of its 4 layers."""
+    return build_truncated(DEMO, tmp_path_factory.mktemp("demo_draft"), 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama's first layer of its 2."""
+    return build_truncated(tiny_llama, tmp_path_factory.mktemp("tiny_draft"), 1)
+
+
+def _draft(model: Path) -> dict:
+    return {"model": str(model), "num_speculative_tokens": 3}
 
 
 def _accepted(llm) -> int:
@@ -82,18 +100,37 @@ def test_beam_search_is_refused_when_speculation_is_on(tiny_llama, make_llm):
     llm.engine.abort_all()
 
 
+def test_a_draft_with_another_vocabulary_is_refused_at_start(tiny_llama):
+    from engine import LLM
+
+    with pytest.raises(ValueError, match="has another vocabulary than the target"):
+        LLM(str(DEMO), speculative_config=_draft(tiny_llama))
+
+
 # -- greedy ----------------------------------------------------------------------------------------
-def test_seed_scenario_greedy_is_identical_under_preemption_and_nothing_leaks(make_llm):
-    """vLLM's end-to-end preemption test: 2 + 256 // 8 blocks of 8 for 4 sequences of 256."""
-    config = dict(block_size=8, num_gpu_blocks_override=2 + 256 // 8,
-                  max_model_len=(2 + 256 // 8) * 8)
-    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    plain = make_llm(DEMO, **config)
-    spec = make_llm(DEMO, **config, speculative_config=NGRAM)
-    expected = _tokens(plain.generate(CODE, params, use_tqdm=False))
-    assert _tokens(spec.generate(CODE, params, use_tqdm=False)) == expected
+SEED_CONFIG = dict(block_size=8, num_gpu_blocks_override=2 + 256 // 8,
+                   max_model_len=(2 + 256 // 8) * 8)  # vLLM's end-to-end preemption test
+SEED_PARAMS = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def seed_expected() -> list[list[list[int]]]:
+    from engine import LLM
+
+    plain = LLM(str(DEMO), swap_space=0.05, **SEED_CONFIG)
+    expected = _tokens(plain.generate(CODE, SEED_PARAMS, use_tqdm=False))
     assert [len(t[0]) for t in expected] == [256] * 4
-    assert max(len(spec.tokenizer(p)["input_ids"]) for p in CODE) <= 16
+    assert max(len(plain.tokenizer(p)["input_ids"]) for p in CODE) <= 16
+    return expected
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seed_scenario_greedy_is_identical_under_preemption_and_nothing_leaks(
+        method, seed_expected, demo_draft, make_llm):
+    """2 + 256 // 8 blocks of 8 for 4 sequences of 256 tokens: they preempt each other."""
+    spec = make_llm(DEMO, **SEED_CONFIG,
+                    speculative_config=NGRAM if method == "ngram" else _draft(demo_draft))
+    assert _tokens(spec.generate(CODE, SEED_PARAMS, use_tqdm=False)) == seed_expected
     stats = spec.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["spec_decode_num_emitted_tokens"] == \
@@ -133,6 +170,19 @@ def test_seeded_sampling_is_identical_with_speculation_under_preemption(n, mode,
         assert stats["num_swap_outs"] > 0
     if n == 3:
         assert all(len({tuple(c) for c in o}) > 1 for o in seeded_reference[3])  # they differ
+
+
+@pytest.mark.parametrize("n, mode", [(1, "recompute"), (3, "swap")])
+def test_seeded_sampling_is_identical_with_a_draft_model_under_preemption(
+        n, mode, tiny_llama, tiny_draft, seeded_reference, make_llm):
+    """The draft's cache is swapped with its sequence, and refilled after a recompute."""
+    llm = make_llm(tiny_llama, block_size=8, preemption_mode=mode, max_num_batched_tokens=32,
+                   artificial_preemption_prob=0.3, artificial_preemption_seed=11,
+                   speculative_config=_draft(tiny_draft))
+    assert _tokens(llm.generate(PROMPTS, _seeded(n), use_tqdm=False)) == seeded_reference[n]
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert (stats["num_swap_outs"] > 0) == (mode == "swap")
 
 
 def test_seeded_sampling_with_speculation_is_independent_of_batch_order(tiny_llama,
