@@ -61,6 +61,8 @@ class ModelRunner:
             t if len(t) == width else t + pad[len(t):] for t in tables))
         if all(s.num_new_tokens == 1 for s in batch):
             return self._prepare_decodes(batch, starts, tables, flat_tables, width)
+        if all(s.num_new_tokens == 1 or s.spec_token_ids for s in batch):
+            return self._prepare_speculated(batch, starts, tables, pad, width)
         bs = self.block_size
         q_lens = [s.num_new_tokens for s in batch]
         seq_lens = [a + b for a, b in zip(starts, q_lens)]
@@ -110,6 +112,45 @@ class ModelRunner:
             return input_ids, positions, meta, None
         rows = [i for i, s in enumerate(batch) if s.do_sample]
         return input_ids, positions, meta, self._upload(_int_tensor(rows, torch.int64))
+
+    def _prepare_speculated(self, batch: list[ScheduledSeq], starts: list[int],
+                            tables: list[list[int]], pad: list[int],
+                            width: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                 torch.Tensor | None]:
+        """Decodes and speculated sequences only: each query token of a speculated sequence
+        (its last token, then its proposals) is a decode row of its own, at its position, with
+        the sequence's block table and the context up to it (the decode kernels then serve
+        the whole step; a row's keys and values are written before any row attends)."""
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []  # per query row, its sequence's index in the batch
+        sample_rows: list[int] = []
+        for i, (s, p) in enumerate(zip(batch, starts)):
+            q = s.num_new_tokens
+            if s.do_sample:
+                sample_rows.extend(range(len(tokens), len(tokens) + q))
+            tokens.append(s.seq.token_ids[p])
+            if s.spec_token_ids:
+                tokens.extend(s.spec_token_ids)
+            positions.extend(range(p, p + q))
+            rows.extend([i] * q)
+        slots = [tables[i][p // bs] * bs + p % bs for i, p in zip(rows, positions)]
+        seq_lens = [p + 1 for p in positions]
+        padded = [t if len(t) == width else t + pad[len(t):] for t in tables]
+        flat_tables = list(chain.from_iterable(padded[i] for i in rows))
+        n = len(rows)
+        longs = self._upload(_int_tensor(tokens + positions + slots, torch.int64))
+        ints = self._upload(_int_tensor(list(range(n + 1)) + seq_lens + flat_tables, torch.int32))
+        input_ids, positions_t, slot_mapping = longs.view(3, n)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=ints[:n + 1],
+            seq_lens=ints[n + 1:2 * n + 1], block_tables=ints[2 * n + 1:].view(n, width),
+            max_query_len=1, max_seq_len=max(seq_lens), num_decode_seqs=n,
+            seq_lens_list=seq_lens, query_lens_list=[1] * n)
+        if len(sample_rows) == n:
+            return input_ids, positions_t, meta, None
+        return input_ids, positions_t, meta, self._upload(_int_tensor(sample_rows, torch.int64))
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """A step input on the model's device: on CUDA a non-blocking copy from pinned memory

@@ -53,7 +53,7 @@ def tiny_draft(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def _draft(model: Path) -> dict:
-    return {"model": str(model), "num_speculative_tokens": 3}
+    return {"model": str(model), "num_speculative_tokens": 2}
 
 
 def _accepted(llm) -> int:
