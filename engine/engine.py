@@ -193,14 +193,15 @@ class Engine:
         if self.structured.pending:
             self._admit_compiled()
         spec, sc = self.speculator, self.scheduler
-        sched = sc.schedule(spec.propose(sc.running, len(sc.running)) if spec else None)
+        proposals = spec.propose(sc.running, len(sc.running)) if spec else None
+        sched = sc.schedule(proposals)
         self._move_blocks(sched)
         batch = self.runner.order(sched.scheduled)
         if batch:
-            if spec:
+            if spec and proposals:  # (none: a step as without speculation)
                 spec.fill(batch)
             logits = self._run(batch)
-            sampled = spec.sample(batch, logits, self.step_sampler) if spec \
+            sampled = spec.sample(batch, logits, self.step_sampler) if spec and proposals \
                 else self.step_sampler(batch, logits)
             for group in self.scheduler.update(sched, sampled):
                 self._release(group)
