@@ -185,6 +185,21 @@ def test_seeded_sampling_is_identical_with_a_draft_model_under_preemption(
     assert (stats["num_swap_outs"] > 0) == (mode == "swap")
 
 
+def test_speculation_with_prefix_caching_is_exact_and_caches_only_prompts(tiny_llama,
+                                                                          seeded_reference,
+                                                                          make_llm):
+    llm = make_llm(tiny_llama, block_size=4, enable_prefix_caching=True,
+                   speculative_config=NGRAM)
+    for _ in range(2):  # the second time, every full prompt block is a cache hit
+        assert _tokens(llm.generate(PROMPTS, _seeded(1), use_tqdm=False)) == \
+            seeded_reference[1]
+        llm.engine.block_manager.check_invariants()
+    stats = llm.stats()
+    assert stats["num_cached_tokens"] == sum(min(len(p) - 1, len(p) // 4 * 4) for p in PROMPTS)
+    assert stats["num_cached_blocks"] == sum(len(p) // 4 for p in PROMPTS)
+    assert _accepted(llm) > 0
+
+
 def test_seeded_sampling_with_speculation_is_independent_of_batch_order(tiny_llama,
                                                                         seeded_reference,
                                                                         make_llm):
