@@ -193,7 +193,7 @@ class Engine:
         if self.structured.pending:
             self._admit_compiled()
         spec, sc = self.speculator, self.scheduler
-        proposals = spec.propose(sc.running, len(sc.running)) if spec else None
+        proposals = spec.propose(sc.running, sc.num_unfinished()) if spec else None
         sched = sc.schedule(proposals)
         self._move_blocks(sched)
         batch = self.runner.order(sched.scheduled)

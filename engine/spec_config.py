@@ -22,7 +22,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int  # the longest n-gram looked up (default 5)
     prompt_lookup_min: int  # the shortest one that may propose (default 1)
-    disable_by_batch_size: int | None = None  # speculate only while this many or fewer run
+    # Speculate only while this many requests or fewer are in the engine (vLLM's "enqueued":
+    # running, waiting or swapped); None: always.
+    disable_by_batch_size: int | None = None
     model: str | None = None  # the draft model's directory ("draft_model")
 
     @classmethod

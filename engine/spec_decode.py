@@ -17,7 +17,8 @@ sequence keeps the blocks its computed tokens fill, as after plain decoding.
 
 Not speculated: beam search (refused at add_request: its beams advance together, one token
 each), structured outputs (the grammar's mask is known one token ahead only), a best_of group
-before it forks, and every sequence in a step whose batch is larger than disable_by_batch_size.
+before it forks, and every sequence in a step while the engine holds more requests (running,
+waiting or swapped) than disable_by_batch_size.
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ class Speculator:
 
     # -- before scheduling -----------------------------------------------------------------------
     def propose(self, running: Iterable[SequenceGroup],
-                num_running: int) -> dict[int, list[int]]:
-        """Proposals per seq_id for the running sequences that decode this step."""
+                num_requests: int) -> dict[int, list[int]]:
+        """Proposals per seq_id for the running sequences that decode this step (none while
+        the engine holds more than disable_by_batch_size requests)."""
         limit = self.config.disable_by_batch_size
-        if limit is not None and num_running > limit:
+        if limit is not None and num_requests > limit:
             return {}
         proposals: dict[int, list[int]] = {}
         for group in running:

@@ -280,5 +280,5 @@ def test_disable_by_batch_size_turns_speculation_off_for_larger_batches(limit, s
     llm = make_llm(tiny_llama, block_size=8,
                    speculative_config={**NGRAM, "disable_by_batch_size": limit})
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=BIAS)
-    llm.generate([[5, 6, 7, 8]] * 6, params, use_tqdm=False)  # all 6 run to the end together
+    llm.generate([[5, 6, 7, 8]] * 6, params, use_tqdm=False)  # all 6 in the engine to the end
     assert (llm.stats()["spec_decode_num_drafts"] > 0) == speculates
