@@ -154,6 +154,15 @@ class BlockManager:
             table.append(self.device.allocate())
         return copies
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those `seq`'s computed tokens fill (the slots of
+        speculative tokens that were rejected): its table is then what plain decoding holds."""
+        table = self.tables[seq.seq_id]
+        keep = self.blocks_for(seq.num_computed_tokens)
+        if len(table) > keep:
+            self.device.decref_all(reversed(table[keep:]))
+            del table[keep:]
+
     def num_group_blocks(self, group: SequenceGroup) -> int:
         """Distinct device blocks the group holds (shared blocks once)."""
         return len({b for s in group.live_seqs() for b in self.tables.get(s.seq_id, ())})

@@ -24,10 +24,12 @@ class StepBudget:
     seqs: int
 
     def plan(self, group: SequenceGroup, config: EngineConfig,
-             computed: list[int] | None = None) -> list[ScheduledSeq]:
+             computed: list[int] | None = None,
+             proposals: dict[int, list[int]] | None = None) -> list[ScheduledSeq]:
         """This step's tokens for each live sequence, or [] when the budget cannot take them.
         `computed`: each live sequence's computed tokens once admitted (a waiting group's prefix
-        cache hits)."""
+        cache hits). `proposals`: speculative tokens per seq_id, run after a decoding
+        sequence's last token as far as the budget takes them (none: a plain decode)."""
         seqs = group.live_seqs()
         num_seqs = max(len(seqs), 1 if group.forked else group.width)
         if num_seqs > self.seqs:
@@ -47,6 +49,11 @@ class StepBudget:
                     left -= plan[-1].num_new_tokens
             return plan
         for seq, remaining in zip(seqs, rest):
+            spec = proposals.get(seq.seq_id) if proposals and remaining == 1 else None
+            if spec and (num := take(1 + len(spec), left, chunk)) > 1:
+                plan.append(ScheduledSeq(group, seq, num, True, spec[:num - 1]))
+                left -= num
+                continue
             num = take(remaining, left, chunk)
             if not num:
                 break  # the rest of the group runs in a later step

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
+
+from engine.spec_config import SpeculativeConfig
 
 _GIB = 1 << 30
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -65,6 +67,9 @@ class EngineConfig:
     # the deltas concatenate to the cumulative output (text that a stop string may still cut
     # is held back until it cannot). Ranked requests (best_of > n, beam search) output once, whole.
     output_kind: OutputKind = "cumulative"
+    # Speculative decoding (vLLM's keys, engine/spec_config.py): e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4}. Outputs stay exactly as without it.
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -107,9 +112,17 @@ class EngineConfig:
                              f"got {self.artificial_preemption_prob}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # (a ValueError names the fault)
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def swap_space_bytes(self) -> int:

@@ -39,10 +39,12 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.spec_decode import Speculator
+from engine.spec_draft import DraftModel
 from engine.step_sampler import StepSampler
 from engine.stop_checker import StopChecker
 from engine.structured_outputs import StructuredOutputs
-from engine.tokenizer import byte_table, fast_decoder, fast_encoder
+from engine.tokenizer import byte_table, fast_decoder, fast_encoder, prompt_token_ids
 
 
 class Engine:
@@ -71,9 +73,12 @@ class Engine:
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = load_eos_ids(hf_config, self.tokenizer, config.model)
         backend = select_backend(config, self.device, self.model.head_dim)  # type: ignore
+        spec = config.speculative
+        draft = None if spec is None or spec.model is None else DraftModel(
+            spec.model, config, self.vocab_size, self.tokenizer, self.max_model_len, self.device)
         block_bytes = bytes_per_block(self.model.num_layers, config.block_size,  # type: ignore
                                       self.model.num_kv_heads, self.model.head_dim,  # type: ignore
-                                      DTYPES[config.dtype])
+                                      DTYPES[config.dtype]) + (draft.block_bytes if draft else 0)
         num_blocks = num_device_blocks(config, block_bytes, self.device)
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise "
@@ -97,6 +102,10 @@ class Engine:
         self.step_sampler = StepSampler(Sampler(self.vocab_size), self.structured,
                                         self.eos_token_ids, self.vocab_size,
                                         self.max_model_len)
+        if draft is not None:
+            draft.attach(self.kv_cache, self.block_manager, num_blocks, num_host)
+        self.speculator = None if spec is None else Speculator(
+            spec, self.step_sampler.sampler, self.eos_token_ids, self.max_model_len, draft)
         self._groups: dict[str, SequenceGroup] = {}
         self._rejected: list[SequenceGroup] = []
         self._seed_rng = random.Random(config.seed)
@@ -107,12 +116,14 @@ class Engine:
                     params: SamplingParams | None = None, priority: int = 0) -> None:
         """Queue a request. `priority` (lower is sooner) needs scheduling_policy="priority"."""
         params = params or SamplingParams()
+        if self.speculator is not None:
+            self.speculator.check(params)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority {priority} needs scheduling_policy='priority' (the "
                              "engine runs 'fcfs')")
-        token_ids = self._tokenize(prompt)
+        token_ids = prompt_token_ids(prompt, self._encode, self.vocab_size)
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", params.logit_bias or ()),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
@@ -181,12 +192,17 @@ class Engine:
         prefill chunk, text held back) has no output this step."""
         if self.structured.pending:
             self._admit_compiled()
-        sched = self.scheduler.schedule()
+        spec, sc = self.speculator, self.scheduler
+        proposals = spec.propose(sc.running, sc.num_unfinished()) if spec else None
+        sched = sc.schedule(proposals)
         self._move_blocks(sched)
         batch = self.runner.order(sched.scheduled)
         if batch:
+            if spec and proposals:  # (none: a step as without speculation)
+                spec.fill(batch)
             logits = self._run(batch)
-            sampled = self.step_sampler(batch, logits)
+            sampled = spec.sample(batch, logits, self.step_sampler) if spec and proposals \
+                else self.step_sampler(batch, logits)
             for group in self.scheduler.update(sched, sampled):
                 self._release(group)
             self.counters["num_steps"] += 1
@@ -210,6 +226,7 @@ class Engine:
             / max(sc.counters["num_prompt_tokens"], 1),
             "num_compiling": self.structured.num_pending,  # waiting for their grammar
             **sc.counters, **self.counters, **self.structured.counters,
+            **(self.speculator.stats() if self.speculator else {}),
         }
 
     # -- the step's parts ------------------------------------------------------------------------
@@ -269,21 +286,6 @@ class Engine:
         self._groups.pop(group.request_id, None)
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = self._encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                              for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise ValueError("prompt must be a string or a list of token ids (ints)")
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        return token_ids
-
     def _reject(self, group: SequenceGroup, message: str) -> None:
         for seq in group.seqs:
             seq.finish_reason = "error"

@@ -2,7 +2,8 @@
 
 Moves run before the step's forward pass, in the order swap-out, swap-in, copy-on-write: a block
 swapped out this step may be handed to another sequence, and a block swapped in may be the
-source of a copy.
+source of a copy. A cache's followers (a draft model's cache over the same block tables) get
+the same moves.
 """
 
 from __future__ import annotations
@@ -49,16 +50,21 @@ class KVCache:
             # Swap-in reads only what swap-out wrote: no need to clear the pinned pages.
             self.host_cache = torch.empty(host_shape, dtype=dtype, pin_memory=True)
         self.backend = backend
+        self.followers: list[KVCache] = []
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             src, dst = _index(pairs)
             self.backend.swap_blocks(self.device_cache, self.host_cache, src, dst)
+            for cache in self.followers:
+                cache.swap_out(pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             src, dst = _index(pairs)
             self.backend.swap_blocks(self.host_cache, self.device_cache, src, dst)
+            for cache in self.followers:
+                cache.swap_in(pairs)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: each destination gets its source's content from before the step's
@@ -68,6 +74,8 @@ class KVCache:
         for round_pairs in copy_rounds(pairs):
             src, dst = _index(round_pairs)
             self.backend.copy_blocks(self.device_cache, src.to(device), dst.to(device))
+        for cache in self.followers:
+            cache.copy(pairs)
 
 
 def copy_rounds(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -39,8 +39,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], kv_cache: torch.Tensor) -> torch.Tensor:
-        """Run `batch` (already ordered) and return logits [num_sampling_seqs, vocab] in batch
-        order of the sequences that sample."""
+        """Run `batch` (already ordered) and return logits [num_sampling_rows, vocab] in batch
+        order of the sequences that sample: one row each, 1 + k for one speculating k tokens."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         ctx = ForwardContext(self.backend, meta, kv_cache)
         hidden = self.model(input_ids, positions, ctx)
@@ -61,19 +61,26 @@ class ModelRunner:
             t if len(t) == width else t + pad[len(t):] for t in tables))
         if all(s.num_new_tokens == 1 for s in batch):
             return self._prepare_decodes(batch, starts, tables, flat_tables, width)
+        if all(s.num_new_tokens == 1 or s.spec_token_ids for s in batch):
+            return self._prepare_speculated(batch, starts, tables, pad, width)
         bs = self.block_size
         q_lens = [s.num_new_tokens for s in batch]
         seq_lens = [a + b for a, b in zip(starts, q_lens)]
         num_decode = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
         # Per sequence, never per token: token slices, and position and slot ranges.
         tokens = list(chain.from_iterable(
-            s.seq.token_ids[a:b] for s, a, b in zip(batch, starts, seq_lens)))
+            s.seq.token_ids[a:b] if s.spec_token_ids is None else s.seq.token_ids[a:]
+            + s.spec_token_ids for s, a, b in zip(batch, starts, seq_lens)))
         positions = list(chain.from_iterable(map(range, starts, seq_lens)))
         slots = list(chain.from_iterable(
             _slots(t, a, b, bs) for t, a, b in zip(tables, starts, seq_lens)))
         cu_q = list(accumulate(q_lens, initial=0))
         n, num_tokens = len(batch), cu_q[-1]
-        sample_rows = [c - 1 for c, s in zip(cu_q[1:], batch) if s.do_sample]
+        # A speculated sequence samples at each of its positions (last token, proposals).
+        sample_rows = [c - 1 for c, s in zip(cu_q[1:], batch) if s.do_sample] \
+            if not any(s.spec_token_ids for s in batch) else list(chain.from_iterable(
+                range(c - q, c) if s.spec_token_ids else (c - 1,)
+                for c, q, s in zip(cu_q[1:], q_lens, batch) if s.do_sample))
         longs = self._upload(_int_tensor(tokens + positions + slots + sample_rows, torch.int64))
         ints = self._upload(_int_tensor(cu_q + seq_lens + flat_tables, torch.int32))
         input_ids, positions_t, slot_mapping = longs[:3 * num_tokens].view(3, num_tokens)
@@ -105,6 +112,45 @@ class ModelRunner:
             return input_ids, positions, meta, None
         rows = [i for i, s in enumerate(batch) if s.do_sample]
         return input_ids, positions, meta, self._upload(_int_tensor(rows, torch.int64))
+
+    def _prepare_speculated(self, batch: list[ScheduledSeq], starts: list[int],
+                            tables: list[list[int]], pad: list[int],
+                            width: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                 torch.Tensor | None]:
+        """Decodes and speculated sequences only: each query token of a speculated sequence
+        (its last token, then its proposals) is a decode row of its own, at its position, with
+        the sequence's block table and the context up to it (the decode kernels then serve
+        the whole step; a row's keys and values are written before any row attends)."""
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []  # per query row, its sequence's index in the batch
+        sample_rows: list[int] = []
+        for i, (s, p) in enumerate(zip(batch, starts)):
+            q = s.num_new_tokens
+            if s.do_sample:
+                sample_rows.extend(range(len(tokens), len(tokens) + q))
+            tokens.append(s.seq.token_ids[p])
+            if s.spec_token_ids:
+                tokens.extend(s.spec_token_ids)
+            positions.extend(range(p, p + q))
+            rows.extend([i] * q)
+        slots = [tables[i][p // bs] * bs + p % bs for i, p in zip(rows, positions)]
+        seq_lens = [p + 1 for p in positions]
+        padded = [t if len(t) == width else t + pad[len(t):] for t in tables]
+        flat_tables = list(chain.from_iterable(padded[i] for i in rows))
+        n = len(rows)
+        longs = self._upload(_int_tensor(tokens + positions + slots, torch.int64))
+        ints = self._upload(_int_tensor(list(range(n + 1)) + seq_lens + flat_tables, torch.int32))
+        input_ids, positions_t, slot_mapping = longs.view(3, n)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=ints[:n + 1],
+            seq_lens=ints[n + 1:2 * n + 1], block_tables=ints[2 * n + 1:].view(n, width),
+            max_query_len=1, max_seq_len=max(seq_lens), num_decode_seqs=n,
+            seq_lens_list=seq_lens, query_lens_list=[1] * n)
+        if len(sample_rows) == n:
+            return input_ids, positions_t, meta, None
+        return input_ids, positions_t, meta, self._upload(_int_tensor(sample_rows, torch.int64))
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """A step input on the model's device: on CUDA a non-blocking copy from pinned memory

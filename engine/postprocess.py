@@ -37,6 +37,8 @@ class Postprocessor:
                 targets[r] = self.fork(s.group, s.seq, s.index, True)
         append, free = self.checker.append, self.block_manager.free
         for s, seq in zip(samples, targets):
+            if seq.finish_reason is not None:
+                continue  # (a speculated run's tokens past a stop: never emitted)
             if s.token is None:
                 seq.finish_reason = "error"
                 s.group.error = s.error

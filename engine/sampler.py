@@ -83,7 +83,7 @@ class Sampler:
             no_token.update(check[k] for k in empty)
         if any(r.params.logit_bias for r in rows):
             logits = _apply_logit_bias(logits, rows)
-        if any(_has_penalty(r.params) for r in rows):
+        if any(has_penalty(r.params) for r in rows):
             logits = _apply_penalties(logits, rows)
         chosen = _argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
@@ -190,7 +190,7 @@ def plain_greedy(p: SamplingParams) -> bool:
 def greedy_but_grammar(p: SamplingParams) -> bool:
     """plain_greedy but for a grammar: each token is the argmax of what the grammar allows."""
     return (p.temperature == 0.0 and p.best_of == 1 and not p.use_beam_search
-            and p.logprobs is None and p.min_tokens == 0 and not _has_penalty(p)
+            and p.logprobs is None and p.min_tokens == 0 and not has_penalty(p)
             and not p.logit_bias and p.allowed_token_ids is None)
 
 
@@ -230,7 +230,7 @@ def _wants_logprobs(p: SamplingParams) -> bool:
     return p.logprobs is not None or (p.best_of or p.n) > p.n
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 

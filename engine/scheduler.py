@@ -120,7 +120,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # -- the step --------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """`proposals`: speculative tokens per seq_id of running sequences that decode (see
+        engine/spec_decode.py); a sequence runs them when the budget and the cache have room."""
         out = SchedulerOutput()
         budget = StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.block_manager.cache_computed()  # (the last step's keys and values are written)
@@ -131,7 +133,7 @@ class Scheduler:
             if self.waiting and self.running:
                 for victim in self.preemptor.preempt_for(self.waiting[0], self.running, out):
                     self._requeue(victim)
-        self._schedule_running(out, budget)
+        self._schedule_running(out, budget, proposals or {})
         if out.num_preempted == 0:
             self._schedule_swapped(out, budget)
         if out.num_preempted == 0 and (not self.swapped or self._outranks_swapped()):
@@ -150,11 +152,16 @@ class Scheduler:
         for item in output.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         done = self.postprocessor.apply(sampled)
+        for item in sampled.speculated:  # computed: up to the accepted tokens; the rest given back
+            if item.seq.finish_reason is None:
+                item.seq.num_computed_tokens = item.seq.num_tokens - 1
+                self.block_manager.trim(item.seq)
         if done:
             self.remove_running(done)
         return done
 
-    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget,
+                          proposals: dict[int, list[int]]) -> None:
         queue, kept = self.running, deque[SequenceGroup]()
         bm, bs = self.block_manager, self.block_manager.block_size
         ref_counts, tables = bm.device.ref_counts, bm.tables
@@ -174,7 +181,7 @@ class Scheduler:
                 pos = seq.num_computed_tokens
                 table = tables.get(seq.seq_id, ())
                 if len(seq.token_ids) - pos == 1 and pos // bs < len(table) \
-                        and ref_counts[table[pos // bs]] == 1:
+                        and ref_counts[table[pos // bs]] == 1 and seq.seq_id not in proposals:
                     forced = artificial and self.preemptor.draw_artificial()
                     if not forced:
                         scheduled.append(ScheduledSeq(group, seq, 1, True))
@@ -183,7 +190,9 @@ class Scheduler:
                         out.num_batched_tokens += 1
                         kept.append(group)
                         continue
-            plan = budget.plan(group, self.config)
+            plan = budget.plan(group, self.config, None, proposals)
+            if proposals and not self._spec_fits(plan):
+                plan = budget.plan(group, self.config)  # speculation never preempts anyone
             if not plan:
                 kept.append(group)  # no budget left this step; it stays running
                 continue
@@ -192,6 +201,12 @@ class Scheduler:
             budget.commit(group, plan, out, self.block_manager)
             kept.append(group)
         self.running = kept
+
+    def _spec_fits(self, plan: list[ScheduledSeq]) -> bool:
+        """Whether `plan`'s speculative tokens, if any, fit the free blocks."""
+        bm = self.block_manager
+        return not any(s.spec_token_ids for s in plan) or \
+            sum(bm.blocks_to_append(s.seq, s.num_new_tokens) for s in plan) <= bm.num_free_blocks
 
     def _outranks_swapped(self) -> bool:
         """Under "priority": the most urgent waiting group may be admitted past swapped ones."""

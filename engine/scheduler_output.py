@@ -19,6 +19,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     do_sample: bool  # this step reaches the end of the sequence, so it draws the next token
+    # Speculation: the proposals that follow the sequence's last token in this step's query
+    # (num_new_tokens is 1 + their number); each position is verified (engine/spec_decode.py).
+    spec_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -63,3 +66,6 @@ class Sampled:
     samples: list[Sample] = field(default_factory=list)
     beams: list[BeamChoice] = field(default_factory=list)
     num_generated: int = 0  # tokens sampled (rows drawn and beam candidates taken)
+    # The items that ran proposals: Scheduler.update settles their computed tokens and blocks
+    # to what was accepted. Their samples (several per sequence, in order) end at a stop.
+    speculated: list[ScheduledSeq] = field(default_factory=list)

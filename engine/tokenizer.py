@@ -11,6 +11,7 @@ goes through the tokenizer otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -142,3 +143,21 @@ def byte_table(tokenizer: Any, decoder: Any, num_checks: int = 300) -> ByteTable
             if result.decode(ids) != decoder.decode(ids, skip_special_tokens=skip):
                 return None
     return result
+
+
+def prompt_token_ids(prompt: str | list[int], encode: Callable[[str], list[int]],
+                     vocab_size: int) -> list[int]:
+    """A request's prompt as token ids: a string encoded, a list of ids checked."""
+    if isinstance(prompt, str):
+        token_ids = encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in prompt):
+        token_ids = list(prompt)
+    else:
+        raise ValueError("prompt must be a string or a list of token ids (ints)")
+    if not token_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return token_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import gc
+import json
 import logging
 import os
 import re
@@ -74,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV cache of prompt prefixes that earlier "
                    "requests computed (vLLM's automatic prefix caching; default: off)")
+    e.add_argument("--speculative-config", type=json_object, default=None,
+                   help="speculative decoding, as JSON with vLLM's keys, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"disable_by_batch_size\": 8}'; outputs "
+                        "stay exactly as without it (default: off)")
     e.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests without a seed of their own (jobs from "
                         "the producer that sample always carry one; default: %(default)s)")
@@ -122,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address the metrics server binds (default: %(default)s)")
     add_limit_args(p, "this worker")
     return p
+
+
+def json_object(text: str) -> dict[str, object]:
+    """A flag's JSON object (argparse reports the ValueError as the flag's fault)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 def default_name() -> str:
@@ -203,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduling_policy=args.scheduling_policy,
             swap_space=args.swap_space, seed=args.seed, num_threads=args.num_threads,
             output_kind="delta", attention_backend=args.attention_backend,
+            speculative_config=args.speculative_config,
             enable_prefix_caching=EngineConfig.enable_prefix_caching
             if args.enable_prefix_caching is None else args.enable_prefix_caching)
         check_device(args.device)

@@ -61,6 +61,21 @@ ENGINE_COUNTERS = (
     ("genq_engine_prefix_cache_hit_tokens_total", "Of those, tokens whose KV came from the "
      "prefix cache (genq worker --enable-prefix-caching)", None, {"": "num_cached_tokens"}),
 )
+# Speculative decoding's counts (vLLM's spec_decode_* names), exported when it is on
+# (genq worker --speculative-config); per position: proposals accepted at position j.
+SPEC_COUNTERS = (
+    ("genq_engine_spec_decode_num_drafts_total", "Sequences verified with proposals",
+     "spec_decode_num_drafts"),
+    ("genq_engine_spec_decode_num_draft_tokens_total", "Proposed tokens verified",
+     "spec_decode_num_draft_tokens"),
+    ("genq_engine_spec_decode_num_accepted_tokens_total", "Proposed tokens accepted",
+     "spec_decode_num_accepted_tokens"),
+    ("genq_engine_spec_decode_num_emitted_tokens_total", "Tokens verification emitted (the "
+     "accepted ones and the target's own token after them)", "spec_decode_num_emitted_tokens"),
+)
+SPEC_PER_POS = ("genq_engine_spec_decode_num_accepted_tokens_per_pos_total",
+                "Proposed tokens accepted, by position in the proposal (0: the first)",
+                "spec_decode_num_accepted_tokens_per_pos")
 
 
 def render(registry: CollectorRegistry) -> str:
@@ -209,8 +224,22 @@ class WorkerMetrics(Collector):
             for value, key in keys.items():
                 counter.add_metric(values + ([value] if label else []), stats.get(key, 0))
             yield counter
+        if "spec_decode_num_drafts" in stats:
+            yield from self._spec_counters(stats)
         yield self.ttft.family(self.labels)
         yield self.itl.family(self.labels)
+
+    def _spec_counters(self, stats: dict[str, Any]) -> Iterator[Metric]:
+        names, values = list(self.labels), list(self.labels.values())
+        for name, help_text, key in SPEC_COUNTERS:
+            counter = CounterMetricFamily(name, help_text, labels=names)
+            counter.add_metric(values, stats[key])
+            yield counter
+        name, help_text, key = SPEC_PER_POS
+        counter = CounterMetricFamily(name, help_text, labels=[*names, "position"])
+        for position, count in enumerate(stats[key]):
+            counter.add_metric([*values, str(position)], count)
+        yield counter
 
     def sample(self, conn: redis.Redis) -> None:
         """From the heartbeat thread: queue lag (one round trip) and tokens/s."""

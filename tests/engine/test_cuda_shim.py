@@ -181,3 +181,19 @@ def test_worker_flag_and_config_name_the_backend_and_refuse_what_cannot_run() ->
         select_backend(config, torch.device("cuda"), 64)
     with pytest.raises(ValueError, match="head sizes"):  # no kernel variant for head size 72
         select_backend(config, torch.device("cpu"), 72)
+
+
+def test_speculated_rows_through_the_kernels_equal_plain_decoding(gqa64: Path) -> None:
+    """Speculation runs each query token of a speculated sequence as a decode row of the CUDA
+    decode kernel: seeded outputs equal plain decoding on the torch backend."""
+    bias = {t: 6.0 for t in (40, 41, 42, 43, 44)}  # (the model then repeats itself)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True,
+                             logit_bias=bias) for i in range(len(PROMPTS))]
+    plain = LLM(str(gqa64), block_size=16, swap_space=0.05)
+    expected = [list(o.outputs[0].token_ids) for o in
+                plain.generate(PROMPTS, params, use_tqdm=False)]
+    llm, _ = shim_llm(gqa64, speculative_config={"method": "ngram",
+                                                 "num_speculative_tokens": 3})
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0

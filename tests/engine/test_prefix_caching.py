@@ -94,9 +94,9 @@ def record_steps(engine: Engine) -> list:
     outs = []
     schedule = engine.scheduler.schedule
 
-    def wrapped():
+    def wrapped(proposals=None):
         engine.block_manager.check_invariants()
-        out = schedule()
+        out = schedule(proposals)
         outs.append(out)
         return out
 

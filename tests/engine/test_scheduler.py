@@ -35,10 +35,24 @@ def fake_step(sched: Scheduler) -> SchedulerOutput:
     return out
 
 
-def drain(sched: Scheduler, limit: int = 1000) -> list[SchedulerOutput]:
+def fake_spec_step(sched: Scheduler) -> SchedulerOutput:
+    """fake_step with proposals [1, 1, 2] for every decoding sequence: verification draws 1 at
+    every position, so two proposals are accepted and a third token (1) is emitted."""
+    proposals = {s.seq_id: [1, 1, 2] for g in sched.running for s in g.live_seqs()
+                 if s.num_tokens - s.num_computed_tokens == 1}
+    out = sched.schedule(proposals)
+    items = [item for item in out.scheduled if item.do_sample]
+    samples = [Sample(i.group, i.seq, i.seq.index, 1) for i in items
+               for _ in range(1 + min(2, len(i.spec_token_ids or ())))]
+    sched.update(out, Sampled(items, samples=samples,
+                              speculated=[i for i in items if i.spec_token_ids]))
+    return out
+
+
+def drain(sched: Scheduler, limit: int = 1000, spec: bool = False) -> list[SchedulerOutput]:
     outs = []
     while sched.num_unfinished() and len(outs) < limit:
-        outs.append(fake_step(sched))
+        outs.append(fake_spec_step(sched) if spec else fake_step(sched))
     assert sched.num_unfinished() == 0, "the scheduler did not finish its work"
     return outs
 
@@ -172,9 +186,10 @@ def test_remove_running_keeps_the_order_of_the_rest():
     assert list(sched.running) == groups[:3] + groups[4:10] + groups[19:]
 
 
-def _schedules(fast: bool, mode: str, prob: float, caching: bool) -> list[tuple]:
+def _schedules(fast: bool, mode: str, prob: float, caching: bool,
+               spec: bool = False) -> list[tuple]:
     """Every step's schedule of one workload that preempts (a cache of 10 blocks for 7
-    requests), keyed by request and sequence index."""
+    requests), keyed by request and sequence index; `spec`: with speculative proposals."""
     cfg = EngineConfig(model="unused", block_size=4, watermark=0.0, max_num_batched_tokens=16,
                        max_num_seqs=5, preemption_mode=mode, artificial_preemption_prob=prob,
                        artificial_preemption_seed=7)
@@ -184,9 +199,10 @@ def _schedules(fast: bool, mode: str, prob: float, caching: bool) -> list[tuple]
             [(5, 9, 1), (8, 6, 1), (3, 12, 2), (9, 7, 1), (4, 10, 1), (6, 8, 1), (2, 5, 1)]):
         add(sched, prompt_len, float(i), max_tokens=max_tokens, n=n)
     steps = []
-    for out in drain(sched):
-        steps.append(([(s.group.request_id, s.seq.index, s.num_new_tokens, s.do_sample)
-                       for s in out.scheduled], out.blocks_to_swap_in, out.blocks_to_swap_out,
+    for out in drain(sched, spec=spec):
+        steps.append(([(s.group.request_id, s.seq.index, s.num_new_tokens, s.do_sample,
+                        s.spec_token_ids) for s in out.scheduled],
+                      out.blocks_to_swap_in, out.blocks_to_swap_out,
                       out.blocks_to_copy, [g.request_id for g in out.finished],
                       out.num_preempted))
         sched.block_manager.check_invariants()
@@ -201,3 +217,30 @@ def test_the_fast_paths_schedule_as_the_general_path_under_preemption():
         counters = dict(fast[-1])
         assert counters["num_recompute_preemptions"] + counters["num_swap_outs"] > 0
         assert (counters["num_artificial_preemptions"] > 0) == (prob > 0)
+
+
+def test_the_fast_paths_schedule_as_the_general_path_with_speculation():
+    for mode, prob, caching in [("recompute", 0.0, False), ("swap", 0.0, True),
+                                ("recompute", 0.3, True), ("swap", 0.3, False)]:
+        fast, general = (_schedules(f, mode, prob, caching, spec=True) for f in (True, False))
+        assert fast == general, (mode, prob, caching)
+        speculated = [item for step in fast[:-1] for item in step[0] if item[4]]
+        assert speculated and all(item[2] == 1 + len(item[4]) for item in speculated)
+        counters = dict(fast[-1])
+        preempted = counters["num_recompute_preemptions"] + counters["num_swap_outs"]
+        assert (counters["num_artificial_preemptions"] > 0) == (prob > 0) and \
+            (preempted > 0 or prob == 0), (mode, prob, caching)
+
+
+def test_speculation_keeps_only_the_blocks_of_accepted_tokens():
+    sched = make(max_num_batched_tokens=16)
+    g = add(sched, 3, 0.0, max_tokens=20)
+    seq = g.seqs[0]
+    fake_step(sched)  # the prompt, and its first token: 4 tokens, 3 computed, one block
+    out = fake_spec_step(sched)  # runs 4 tokens (3 .. 6), accepts 2 of 3 proposals
+    assert [(s.num_new_tokens, s.spec_token_ids) for s in out.scheduled] == [(4, [1, 1, 2])]
+    assert out.blocks_to_copy == [] and seq.num_tokens == 7 and seq.num_computed_tokens == 6
+    assert len(sched.block_manager.table(seq)) == 2  # positions 0..5: blocks 0 and 1
+    sched.block_manager.check_invariants()
+    drain(sched, spec=True)
+    assert seq.num_output_tokens == 20 and sched.block_manager.num_free_blocks == 64

@@ -36,6 +36,8 @@ def test_a_directory_without_a_model_stops_the_worker_with_one_line(
     (["--device", "gpu"], "--device must be cpu, cuda or cuda:<index>, got 'gpu'"),
     (["--block-size", "0"], "block_size must be a power of two up to 256"),
     (["--dtype", "fp16"], "dtype must be one of"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "k": 2}'],
+     "speculative_config has unknown key(s) ['k']"),
 ])
 def test_a_bad_engine_option_is_one_line_naming_the_option_not_the_model(
         redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path, flags: list[str],

@@ -118,3 +118,21 @@ def build_kernel_llama(path: Path, tokenizer_dir: Path | None = None, heads: int
         for f in tokenizer_dir.iterdir():
             shutil.copy(f, path / f.name)
     return path
+
+
+def build_truncated(source: Path, path: Path, num_layers: int) -> Path:
+    """A draft model for speculative decoding: `source`'s first `num_layers` decoder layers
+    (embeddings, final norm and head kept), with its tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    model.save_pretrained(str(path))
+    for f in source.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, path / f.name)
+    return path
