@@ -266,7 +266,7 @@ def test_the_cpu_noise_is_the_torch_noise_bit_for_bit(vocab_size):
 
     import numpy as np
 
-    from engine.sampler import gumbel_cpu, gumbel_torch, vocab_hash
+    from engine.noise import gumbel_cpu, gumbel_torch, vocab_hash
 
     rng = random.Random(vocab_size)
     keys = [rng.getrandbits(32) for _ in range(37)] + [0, 0xFFFFFFFF]
