@@ -13,6 +13,7 @@ import redis
 from producer import connection
 from producer.errors import NotReplicated, ResultExpired
 from producer.events import ClientEvent, DoneEvent
+from producer.lanes import job_stream
 from producer.protocol import (
     DEFAULT_PREFIX,
     PROTOCOL_VERSION,
@@ -100,7 +101,7 @@ class ClientSettings:
 
     def submit_call(self, spec: JobSpec) -> tuple[list[Any], list[Any]]:
         """The keys and args of SUBMIT_LUA for `spec`."""
-        return ([self.keys.idem(spec.id, spec.model), self.keys.jobs(spec.model)],
+        return ([self.keys.idem(spec.id, spec.model), job_stream(self.keys, spec)],
                 [self.idempotency_ttl, PROTOCOL_VERSION, encode_job_entry(spec)["job"],
                  self.stream_ttl])
 

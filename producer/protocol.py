@@ -7,7 +7,10 @@ field, a wrong type, a missing field, an oversized payload or an id outside [A-Z
 Keys (prefix configurable, default "genq"; {m} is the hash tag of the job's model, so a model's
 keys share one Redis Cluster slot):
     <p>:jobs:{m}            stream of job entries, consumer group "workers"; fields v, job [, a]
-    <p>:dead:{m}            dead-letter stream: fields reason, code, entry, worker [, job]
+    <p>:jobs:{m}:high       the same, for jobs of priority < 0; ...:low for priority > 0 (the
+                            priority lanes: producer/lanes.py)
+    <p>:dead:{m}            dead-letter stream (all lanes'): fields reason, code, entry, worker
+                            [, job]
     <p>:reply:{m}:<id>      reply stream of one job; field e = one event
     <p>:cancel:{m}:<id>     cancel flag (with TTL) + an SPUBLISH of <id> on channel <p>:cancel:{m}
     <p>:idem:{m}:<id>       idempotency key set by submit (a job id runs once): "1", then "ended"

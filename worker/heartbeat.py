@@ -42,7 +42,7 @@ class Registry:
 
 class Heartbeat(threading.Thread):
     def __init__(self, conn: redis.Redis, key: str, ttl: float, interval: float,
-                 info: Callable[[], dict[str, Any]], jobs_key: str, stream_ttl: int,
+                 info: Callable[[], dict[str, Any]], jobs_keys: list[str], stream_ttl: int,
                  sample: Callable[[redis.Redis], None] | None = None,
                  registry: Registry | None = None) -> None:
         super().__init__(name="genq-heartbeat", daemon=True)
@@ -51,7 +51,7 @@ class Heartbeat(threading.Thread):
         self.ttl_ms = int(ttl * 1000)
         self.interval = interval
         self.info = info
-        self.jobs_key = jobs_key
+        self.jobs_keys = jobs_keys  # the streams this worker reads: kept alive while it is
         self.stream_ttl = stream_ttl
         self.sample = sample  # e.g. metrics: queue lag, sampled after each beat
         self.registry = registry
@@ -61,7 +61,8 @@ class Heartbeat(threading.Thread):
         value = encode_heartbeat({**self.info(), "ts": time.time()})
         pipe = self.conn.pipeline(transaction=False)
         pipe.set(self.key, value, px=self.ttl_ms)
-        pipe.expire(self.jobs_key, self.stream_ttl)
+        for key in self.jobs_keys:
+            pipe.expire(key, self.stream_ttl)
         if self.registry is not None:  # (the sets live as long as the streams they list)
             pipe.sadd(self.registry.workers, self.registry.name)
             pipe.expire(self.registry.workers, self.stream_ttl)

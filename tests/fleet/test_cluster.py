@@ -58,7 +58,8 @@ def test_every_script_calls_keys_map_to_one_slot() -> None:
         finishes = [FinishWrite(f"1-{i}", 1, worker.reply(j), b"e", idem_key=worker.idem(j))
                     for i, j in enumerate(ids)]
         finish = finish_keys(finishes, worker.jobs(model), worker.dead(model))
-        reclaim, _ = reclaim_call(worker, model, "w1", ["w1", "gone", "bad name"], 5, True)
+        reclaim, _ = reclaim_call(worker, model, worker.jobs(model), "w1",
+                                  ["w1", "gone", "bad name"], 5, True)
         cancel = [keys.cancel(j, model) for j in ids] + [keys.cancel_channel(model)]
         heartbeats = [keys.workers(model), keys.worker(model, "w1"), keys.worker(model, "w2")]
         for call in (events, finish, reclaim, cancel, heartbeats):
@@ -126,8 +127,9 @@ def test_submit_stream_resubmit_results_and_status_on_a_cluster(
     conn = connect(nodes.url)
     keys = Keys()
     assert [(w["name"], w["model"]) for w in worker_rows(conn, keys)] == [("c1", "tiny")]
-    assert [(q["model"], q["length"], q["pending"], q["consumers"])
-            for q in queue_rows(conn, keys)] == [("tiny", 0, 0, 1)]
+    assert [(q["model"], q["lane"], q["length"], q["pending"], q["consumers"])
+            for q in queue_rows(conn, keys)] == [("tiny", lane, 0, 0, 1)
+                                                 for lane in ("default", "high", "low")]
     raw = reply_events(nodes, "mine-1")  # type: ignore[arg-type]
     assert [e["type"] for e in raw].count("started") == 1
 
