@@ -94,6 +94,7 @@ def start_genq(url: str, model_dir: Path, procs: list[subprocess.Popen[bytes]],
     Client."""
     from producer.bench import run_bench
     from producer.client import Client
+    from producer.protocol import Keys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     log = open(logdir / f"genq-worker-{name}.log", "wb")  # noqa: SIM115 (closed with it)
@@ -104,7 +105,8 @@ def start_genq(url: str, model_dir: Path, procs: list[subprocess.Popen[bytes]],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     procs.append(proc)
     conn = redis.Redis.from_url(url)
-    wait_until(lambda: conn.exists(f"genq:worker:{name}") or proc.poll() is not None, 300,
+    heartbeat = Keys().worker(name, name)
+    wait_until(lambda: conn.exists(heartbeat) or proc.poll() is not None, 300,
                "the genq worker")
     if proc.poll() is not None:
         raise RuntimeError(f"the genq worker exited ({proc.returncode}); see {log.name}")
