@@ -37,6 +37,7 @@ from producer.protocol import (
 from producer.registry import heartbeats_async
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, entry_key
 from producer.results import reply_expired_async
+from producer.shards import ShardCounts, sharded_job_id
 
 # A job's error code -> (HTTP status, OpenAI error type).
 _ERROR_STATUS: dict[str, tuple[int, str]] = {
@@ -64,6 +65,11 @@ class GatewayRedis:
         self.blocking_conn = connect_async(url, max_connections=max_connections,
                                            socket_timeout=BLOCK_MS / 1000 + 10)
         self._submit_script = self.conn.register_script(SUBMIT_LUA)
+        self.shard_counts = ShardCounts(keys)
+
+    async def new_job_id(self, model: str) -> str:
+        """A fresh id in one of the model's shards (producer/shards.py)."""
+        return sharded_job_id(model, await self.shard_counts.get_async(self.conn, model))
 
     async def submit(self, spec: JobSpec, payload: bytes) -> bool:
         """Enqueue a checked job once per id (Client.submit's recipe); False: the id existed.
@@ -93,6 +99,7 @@ class FleetView:
         self.cache_s = cache_s
         self._models: dict[str, int] = {}
         self._models_at = -1e9
+        self.shard_counts = ShardCounts(keys)
 
     async def live_models(self, fresh: bool = False) -> dict[str, int]:
         """{served model name: number of live workers}."""
@@ -106,9 +113,10 @@ class FleetView:
         return models
 
     async def queue_depth(self, model: str) -> int | None:
-        """Jobs of the model not finished, over its priority lanes (one round trip): waiting
+        """Jobs of the model not finished, over its shards' priority lanes: waiting
         for a worker + held by workers (pending). None when the model has no job stream."""
-        lanes = lane_keys(self.keys, model)
+        shards = await self.shard_counts.get_async(self.conn, model)
+        lanes = [key for shard in range(shards) for key in lane_keys(self.keys, model, shard)]
         pipe = self.conn.pipeline(transaction=False)
         for key in lanes:
             pipe.xinfo_groups(key)

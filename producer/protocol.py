@@ -66,20 +66,31 @@ def validate_name(value: object, what: str = "job id") -> str:
     return value
 
 
-# Ids genq makes: "<model>.<32 hex digits>", and "-<k>" after it for the k-th job of one gateway
-# request. The model in the id is what finds its keys' slot from the id alone.
-_MADE_ID_RE = re.compile(r"(?P<model>[A-Za-z0-9_.:-]+)\.[0-9a-f]{32}(?:-[0-9]+)?")
-_MADE_ID_TAIL = 1 + 32 + 8  # ".<hex>" and room for "-<k>"
+# Ids genq makes: "<model>.<32 hex digits>", ".<shard>" after it for a job of shard 1..999 of
+# its model (--shards), and "-<k>" after that for the k-th job of one gateway request. The model
+# and shard in the id are what find its keys' slot from the id alone.
+_MADE_ID_RE = re.compile(r"(?P<model>[A-Za-z0-9_.:-]+)\.[0-9a-f]{32}"
+                         r"(?:\.(?P<shard>[1-9][0-9]{0,2}))?(?:-[0-9]+)?")
+_MADE_ID_TAIL = 1 + 32 + 4 + 8  # ".<hex>", room for ".<shard>" and "-<k>"
+MAX_SHARDS = 1000
 
 
-def new_job_id(model: str) -> str:
-    """A fresh job id that names its model, so `Client.job(id)` and `cancel(id)` find its keys
-    without being told the model. A model name too long to fit gets a bare id (its jobs are
-    found with model=...)."""
+def new_job_id(model: str, shard: int = 0) -> str:
+    """A fresh job id that names its model (and its shard), so `Client.job(id)` and
+    `cancel(id)` find its keys without being told the model. A model name too long to fit gets
+    a bare id (its jobs are found with model=..., in shard 0)."""
     hex_part = uuid.uuid4().hex
     if len(model) + _MADE_ID_TAIL > MAX_NAME_LEN:
         return hex_part
-    return f"{validate_name(model, 'model name')}.{hex_part}"
+    if not 0 <= shard < MAX_SHARDS:
+        raise ValueError(f"shard must be in [0, {MAX_SHARDS}), got {shard}")
+    return f"{validate_name(model, 'model name')}.{hex_part}" + (f".{shard}" if shard else "")
+
+
+def job_shard(job_id: str) -> int:
+    """The shard of its model's queue a job went to: the one its id names, else 0."""
+    made = _MADE_ID_RE.fullmatch(job_id)
+    return int(made["shard"]) if made is not None and made["shard"] else 0
 
 
 def job_model(job_id: str) -> str:
@@ -123,34 +134,42 @@ class Keys:
         workers' ACL key pattern covers it."""
         return f"{self.prefix}:worker:models"
 
-    def _queue(self, kind: str, model: str) -> str:
-        return f"{self.prefix}:{kind}:{{{validate_name(model, 'model name')}}}"
+    def _queue(self, kind: str, model: str, shard: int = 0) -> str:
+        """A key of `model`'s queue shard: its hash tag is {<model>} for shard 0 (a model of
+        one shard), {<model>#<shard>} for the others ('#' is in no name: no tag collides)."""
+        tag = validate_name(model, "model name") + (f"#{shard}" if shard else "")
+        return f"{self.prefix}:{kind}:{{{tag}}}"
 
-    def jobs(self, model: str) -> str:
-        return self._queue("jobs", model)
+    def jobs(self, model: str, shard: int = 0) -> str:
+        return self._queue("jobs", model, shard)
 
-    def dead(self, model: str) -> str:
-        return self._queue("dead", model)
+    def dead(self, model: str, shard: int = 0) -> str:
+        return self._queue("dead", model, shard)
 
-    def workers(self, model: str) -> str:
+    def shards(self, model: str) -> str:
+        """The number of shards of `model`'s queue (--shards, set by its workers; none: 1)."""
+        return self._queue("shards", model)
+
+    def workers(self, model: str, shard: int = 0) -> str:
         """The set of worker names that served `model` (each beat adds its own; reclaim drops
-        the gone ones): the per-model registry. A name's heartbeat is `worker(model, name)`."""
-        return self._queue("worker", model)
+        the gone ones): the per-model registry. A name's heartbeat is `worker(model, name)`.
+        A sharded model's workers beat in every shard (the reclaim of a shard looks there)."""
+        return self._queue("worker", model, shard)
 
-    def worker(self, model: str, name: str) -> str:
-        return f"{self.workers(model)}:{validate_name(name, 'worker name')}"
+    def worker(self, model: str, name: str, shard: int = 0) -> str:
+        return f"{self.workers(model, shard)}:{validate_name(name, 'worker name')}"
 
-    def fence_prefix(self, model: str) -> str:
-        """Followed by a worker name: a counter bumped whenever pending entries of `model`'s
-        stream are claimed from that worker (worker/scripts.py)."""
-        return self._queue("fence", model) + ":"
+    def fence_prefix(self, model: str, shard: int = 0) -> str:
+        """Followed by a worker name: a counter bumped whenever pending entries of the shard's
+        streams are claimed from that worker (worker/scripts.py)."""
+        return self._queue("fence", model, shard) + ":"
 
-    def fence(self, model: str, name: str) -> str:
-        return self.fence_prefix(model) + validate_name(name, "worker name")
+    def fence(self, model: str, name: str, shard: int = 0) -> str:
+        return self.fence_prefix(model, shard) + validate_name(name, "worker name")
 
     def cancel_channel(self, model: str) -> str:
         """The shard channel (SPUBLISH) on which cancels of `model`'s jobs are announced: it
-        lives on the node of the model's slot."""
+        lives on the node of the model's slot (shard 0's: one channel for all of its shards)."""
         return self._queue("cancel", model)
 
     def reply(self, job_id: str, model: str | None = None) -> str:
@@ -164,7 +183,8 @@ class Keys:
 
     def _job(self, kind: str, job_id: str, model: str | None) -> str:
         validate_name(job_id)
-        return f"{self._queue(kind, model or self.model or job_model(job_id))}:{job_id}"
+        return (f"{self._queue(kind, model or self.model or job_model(job_id), job_shard(job_id))}"
+                f":{job_id}")
 
     @property
     def batches(self) -> str:

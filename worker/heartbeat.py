@@ -44,7 +44,8 @@ class Heartbeat(threading.Thread):
     def __init__(self, conn: redis.Redis, key: str, ttl: float, interval: float,
                  info: Callable[[], dict[str, Any]], jobs_keys: list[str], stream_ttl: int,
                  sample: Callable[[redis.Redis], None] | None = None,
-                 registry: Registry | None = None) -> None:
+                 registry: Registry | None = None,
+                 shards: tuple[str, int, list[tuple[str, str]]] | None = None) -> None:
         super().__init__(name="genq-heartbeat", daemon=True)
         self.conn = conn
         self.key = key
@@ -55,6 +56,9 @@ class Heartbeat(threading.Thread):
         self.stream_ttl = stream_ttl
         self.sample = sample  # e.g. metrics: queue lag, sampled after each beat
         self.registry = registry
+        # A sharded model (--shards k): (Keys.shards key, k, the worker's heartbeat key and
+        # registry set in shards 1..k-1): each beat writes k and beats in every shard.
+        self.shards = shards
         self._halt = threading.Event()
 
     def beat(self) -> None:
@@ -68,6 +72,14 @@ class Heartbeat(threading.Thread):
             pipe.expire(self.registry.workers, self.stream_ttl)
             pipe.sadd(self.registry.models, self.registry.model)
             pipe.expire(self.registry.models, self.stream_ttl)
+        if self.shards is not None:
+            count_key, k, copies = self.shards
+            pipe.set(count_key, k, ex=self.stream_ttl)
+            for key, workers in copies:
+                pipe.set(key, value, px=self.ttl_ms)
+                if self.registry is not None:
+                    pipe.sadd(workers, self.registry.name)
+                    pipe.expire(workers, self.stream_ttl)
         pipe.execute()
 
     def run(self) -> None:
@@ -91,6 +103,10 @@ class Heartbeat(threading.Thread):
                 self.conn.delete(self.key)
                 if self.registry is not None:
                     self.conn.srem(self.registry.workers, self.registry.name)
+                for key, workers in self.shards[2] if self.shards is not None else []:
+                    self.conn.delete(key)
+                    if self.registry is not None:
+                        self.conn.srem(workers, self.registry.name)
             except RETRYABLE:  # (READONLY: a failover demoted our node; the key expires)
                 pass
 

@@ -55,7 +55,7 @@ class Worker:
         self.cfg = cfg
         self.keys = Keys(cfg.prefix, cfg.served_model_name)  # (the jobs' keys: this model's)
         self.me = cfg.name
-        self.wkeys = WorkerKeys(self.keys, cfg.served_model_name, self.me)
+        self.wkeys = WorkerKeys(self.keys, cfg.served_model_name, self.me, cfg.shards)
         self.conn = connect(cfg.redis_url, socket_timeout=10)
         self.reader = JobReader(cfg, self.wkeys, self.conn)
         self.admission = Admission(cfg, self.keys, engine.tokenizer, engine.max_model_len,
@@ -75,7 +75,9 @@ class Worker:
                                    cfg.heartbeat_ttl, cfg.heartbeat_interval,
                                    self._heartbeat_info, self.wkeys.jobs, cfg.stream_ttl,
                                    sample=self.metrics.sample if cfg.metrics_port else None,
-                                   registry=Registry.of(self.keys, cfg.served_model_name, self.me))
+                                   registry=Registry.of(self.keys, cfg.served_model_name, self.me),
+                                   shards=(self.keys.shards(cfg.served_model_name), cfg.shards,
+                                           self.wkeys.shard_heartbeats))
         self.cancel_listener = CancelListener(cfg.redis_url, self.wkeys.cancel_channel)
         self.cancels = Cancels(self.cancel_listener, self.conn, self.keys,
                                cfg.cancel_poll_interval)

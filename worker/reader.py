@@ -1,9 +1,12 @@
 """JobReader: how entries come in from the job streams (new reads and heartbeat-gated claims).
 
-The streams are the model's priority lanes (producer/lanes.py, worker/streams.py). A read fills
-the free capacity from the most urgent lane first, in one script (the lanes share a slot); only
-when all are empty does it block, in one XREADGROUP over the lanes, asking each for no more than
-its share of the capacity, so a read never returns more entries than there is room for.
+The streams are the model's priority lanes (producer/lanes.py) in each of its shards
+(producer/shards.py; worker/streams.py). A read fills the free capacity from the most urgent
+lane first, one script per shard (a shard's lanes share a slot; the shard read first rotates);
+only when all are empty does it block, in one XREADGROUP over the lanes, asking each for no more
+than its share of the capacity, so a read never returns more entries than there is room for. (On
+a Redis Cluster a sharded model's streams span slots, which one command may not: the worker then
+blocks briefly on one shard at a time, in turn.)
 
 Blocking reads use a connection of their own whose socket timeout is above the BLOCK time. A
 lost connection never raises out of here: reads back off (and say so) while the engine keeps
@@ -20,7 +23,7 @@ from typing import Any
 
 import redis
 
-from producer.connection import RETRYABLE, connect
+from producer.connection import RETRYABLE, connect, parse
 from producer.protocol import as_str
 from worker.config import WorkerConfig
 from worker.scripts import Scripts, reclaim_call
@@ -53,7 +56,11 @@ class JobReader:
         self.keys = keys.keys
         self.me = cfg.name
         self.streams = keys.jobs  # stream index -> key
-        self.urgent_first = keys.read_order
+        self.groups = keys.read_order  # per shard: its streams, most urgent first
+        # Every stream, most urgent lane first (the lanes of all shards)
+        self.urgent_first = [i for lane in zip(*self.groups, strict=True) for i in lane]
+        self.block_per_shard = keys.shards > 1 and parse(cfg.redis_url).is_cluster
+        self._turn = 0  # the shard read first (in turn, so that no shard starves the others)
         self.conn = conn
         self.read_conn = connect(cfg.redis_url, socket_timeout=cfg.block_ms / 1000 + 10)
         self.scripts = Scripts(conn)
@@ -96,20 +103,30 @@ class JobReader:
         return entries
 
     def _read_lanes(self, count: int) -> list[Entry]:
-        """Up to `count` entries, most urgent lane first, without waiting (one round trip)."""
-        keys = [self.streams[i] for i in self.urgent_first]
-        got: Any = self.read_script(keys=keys, args=[self.keys.group, self.me, count])
+        """Up to `count` entries, most urgent lane first, without waiting (a round trip per
+        shard while there is room)."""
+        self._turn = (self._turn + 1) % len(self.groups)
         out: list[Entry] = []
-        for k, items in got or []:
-            stream = self.urgent_first[int(k) - 1]
-            out += [(ref(stream, as_str(eid)), _pairs(flat), 1) for eid, flat in items]
+        for k in range(len(self.groups)):
+            if len(out) >= count:
+                break
+            group = self.groups[(self._turn + k) % len(self.groups)]
+            got: Any = self.read_script(keys=[self.streams[i] for i in group],
+                                        args=[self.keys.group, self.me, count - len(out)])
+            for n, items in got or []:
+                stream = group[int(n) - 1]
+                out += [(ref(stream, as_str(eid)), _pairs(flat), 1) for eid, flat in items]
         return out
 
     def _block(self, count: int, block_ms: int | None) -> list[Entry]:
         """Wait up to `block_ms` for entries in any lane. XREADGROUP's COUNT is per stream: each
         lane is asked for its share of `count` (with fewer than one each, only the most urgent
         lanes are waited on; the next read looks at all), so no more than `count` come back."""
-        lanes = self.urgent_first[:count]
+        order = self.urgent_first
+        if self.block_per_shard:  # (streams of one slot only: this shard's, briefly)
+            order = self.groups[self._turn]
+            block_ms = min(block_ms or 1, 50)
+        lanes = order[:count]
         per_lane = max(1, count // len(lanes))
         resp: Any = self.read_conn.xreadgroup(
             self.keys.group, self.me, {self.streams[i]: ">" for i in lanes}, count=per_lane,
@@ -184,7 +201,7 @@ class JobReader:
             consumers = [as_str(c["name"]) for c in self.conn.xinfo_consumers(key,
                                                                               self.keys.group)]
             keys, args = reclaim_call(self.keys, self.wkeys.model, key, self.me, consumers,
-                                      count, include_self)
+                                      count, include_self, self.wkeys.shard_of(stream))
             claimed = self.scripts.reclaim(keys=keys, args=args)
         except RETRYABLE as exc:
             log.warning("reclaim failed: %s", exc)
