@@ -173,6 +173,7 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
     from producer.protocol import Keys
     from worker.batch import Batch, EventWrite
     from worker.io_thread import Writer
+    from worker.streams import JobStream
 
     conn = redis.Redis.from_url(url, protocol=2)
     keys = Keys("genqbench", "w")  # (the jobs of its replies: model w's)
@@ -184,8 +185,8 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
     entry_ids = [eid.decode() for eid, _ in got[0][1]]
     figures = {}
     for mode in ("per_step", "free_running"):
-        writer = Writer(conn, jobs_key, keys.dead("w"), "workers", "me", 60, 60,
-                        fence_key=keys.fence("w", "me"))  # as a worker's
+        writer = Writer(conn, [JobStream(jobs_key, keys.dead("w"), keys.fence("w", "me"))],
+                        "workers", "me", 60, 60)  # as a worker's
         writer.start()
         start = time.perf_counter()
         for step in range(steps):
