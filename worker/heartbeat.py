@@ -56,8 +56,10 @@ class Heartbeat(threading.Thread):
         self.stream_ttl = stream_ttl
         self.sample = sample  # e.g. metrics: queue lag, sampled after each beat
         self.registry = registry
-        # A sharded model (--shards k): (Keys.shards key, k, the worker's heartbeat key and
-        # registry set in shards 1..k-1): each beat writes k and beats in every shard.
+        # A sharded model (--shards k > 1): (Keys.shards key, k, the worker's heartbeat key and
+        # registry set in shards 1..k-1): each beat writes k and beats in every shard. (k = 1
+        # writes nothing: producers take a missing count as 1, and an unsharded deployment's
+        # keys and ACL stay as they were.)
         self.shards = shards
         self._halt = threading.Event()
 

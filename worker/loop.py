@@ -76,8 +76,9 @@ class Worker:
                                    self._heartbeat_info, self.wkeys.jobs, cfg.stream_ttl,
                                    sample=self.metrics.sample if cfg.metrics_port else None,
                                    registry=Registry.of(self.keys, cfg.served_model_name, self.me),
-                                   shards=(self.keys.shards(cfg.served_model_name), cfg.shards,
-                                           self.wkeys.shard_heartbeats))
+                                   shards=None if cfg.shards == 1 else (
+                                       self.keys.shards(cfg.served_model_name), cfg.shards,
+                                       self.wkeys.shard_heartbeats))
         self.cancel_listener = CancelListener(cfg.redis_url, self.wkeys.cancel_channel)
         self.cancels = Cancels(self.cancel_listener, self.conn, self.keys,
                                cfg.cancel_poll_interval)
