@@ -26,8 +26,6 @@ so attempt numbers keep increasing when a draining worker hands a job back.
 
 from __future__ import annotations
 
-import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +33,12 @@ from typing import Any
 import msgpack
 
 from producer.errors import ProtocolError
+from producer.job_ids import MAX_NAME_LEN as MAX_NAME_LEN
+from producer.job_ids import MAX_SHARDS as MAX_SHARDS
+from producer.job_ids import job_model as job_model
+from producer.job_ids import job_shard as job_shard
+from producer.job_ids import new_job_id as new_job_id
+from producer.job_ids import validate_name as validate_name
 from producer.job_params import check_messages, check_params
 from producer.wire_types import Check
 from producer.wire_types import is_bool as _is_bool
@@ -50,56 +54,10 @@ PROTOCOL_VERSION = 2
 DEFAULT_PREFIX = "genq"
 CONSUMER_GROUP = "workers"
 REPLY_FIELD = "e"
-MAX_NAME_LEN = 128
 DEFAULT_MAX_JOB_BYTES = 1 << 20
 DEFAULT_MAX_EVENT_BYTES = 64 << 20
-_NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 
 
-def validate_name(value: object, what: str = "job id") -> str:
-    """A name that may become part of a Redis key: 1..128 chars of [A-Za-z0-9_.:-]."""
-    if not isinstance(value, str):
-        raise ProtocolError("bad_id", f"{what} must be a string, got {type(value).__name__}")
-    if not 1 <= len(value) <= MAX_NAME_LEN or not _NAME_RE.fullmatch(value):
-        raise ProtocolError("bad_id", f"{what} {value[:MAX_NAME_LEN]!r} must be 1-{MAX_NAME_LEN} "
-                                      "characters from [A-Za-z0-9_.:-]")
-    return value
-
-
-# Ids genq makes: "<model>.<32 hex digits>", ".<shard>" after it for a job of shard 1..999 of
-# its model (--shards), and "-<k>" after that for the k-th job of one gateway request. The model
-# and shard in the id are what find its keys' slot from the id alone.
-_MADE_ID_RE = re.compile(r"(?P<model>[A-Za-z0-9_.:-]+)\.[0-9a-f]{32}"
-                         r"(?:\.(?P<shard>[1-9][0-9]{0,2}))?(?:-[0-9]+)?")
-_MADE_ID_TAIL = 1 + 32 + 4 + 8  # ".<hex>", room for ".<shard>" and "-<k>"
-MAX_SHARDS = 1000
-
-
-def new_job_id(model: str, shard: int = 0) -> str:
-    """A fresh job id that names its model (and its shard), so `Client.job(id)` and
-    `cancel(id)` find its keys without being told the model. A model name too long to fit gets
-    a bare id (its jobs are found with model=..., in shard 0)."""
-    hex_part = uuid.uuid4().hex
-    if len(model) + _MADE_ID_TAIL > MAX_NAME_LEN:
-        return hex_part
-    if not 0 <= shard < MAX_SHARDS:
-        raise ValueError(f"shard must be in [0, {MAX_SHARDS}), got {shard}")
-    return f"{validate_name(model, 'model name')}.{hex_part}" + (f".{shard}" if shard else "")
-
-
-def job_shard(job_id: str) -> int:
-    """The shard of its model's queue a job went to: the one its id names, else 0."""
-    made = _MADE_ID_RE.fullmatch(job_id)
-    return int(made["shard"]) if made is not None and made["shard"] else 0
-
-
-def job_model(job_id: str) -> str:
-    """The model a job id names (new_job_id); ValueError when it names none."""
-    made = _MADE_ID_RE.fullmatch(job_id)
-    if made is None:
-        raise ValueError(f"job id {job_id[:MAX_NAME_LEN]!r} does not name its model (ids genq "
-                         "makes do: <model>.<hex>); pass model=... to find its job")
-    return made["model"]
 
 
 @dataclass(frozen=True)

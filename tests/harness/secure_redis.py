@@ -48,8 +48,8 @@ BATCH_SELECTOR = ("(~genq:batch* ~genq:file:* +hset +hget +hmget +hexists +hsetn
 ACL_RULES: dict[str, tuple[str, ...]] = {
     "genq-worker": (
         "resetkeys", "~genq:jobs:*", "~genq:reply:*", "~genq:dead:*", "~genq:worker:*",
-        "~genq:fence:*", "~genq:shards:*", "%R~genq:cancel:*", "~genq:idem:*", "resetchannels", "&genq:cancel:*",
-        "-@all",
+        "~genq:fence:*", "~genq:shards:*", "%R~genq:cancel:*", "~genq:idem:*", "resetchannels",
+        "&genq:cancel:*", "-@all",
         "+xreadgroup", "+xack", "+xdel", "+xadd", "+xclaim", "+xpending", "+xinfo|consumers",
         "+xgroup|create", "+xgroup|delconsumer", "+evalsha", "+script|load", "+script|exists",
         "+set", "+get", "+incr", "+exists", "+expire", "+del", "+sadd", "+srem", "+ssubscribe"),
