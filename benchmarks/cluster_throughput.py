@@ -29,7 +29,7 @@ import msgpack
 from producer.client import Client, make_job_spec
 from producer.connection import connect
 from producer.events import done_event, encode_event, tokens_event
-from producer.protocol import Keys, as_str, new_job_id
+from producer.protocol import SUBMIT_LUA, Keys, as_str, new_job_id
 from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer
 from worker.streams import JobStream
@@ -76,6 +76,7 @@ def producer(url: str, model: str, shard: int, jobs: int, tokens: int, ready: An
     then their results."""
     params = {"temperature": 0, "max_tokens": tokens}
     with Client(url) as client:
+        client.redis.script_load(SUBMIT_LUA)  # (the pipelined EVALSHAs below need it)
         ready.wait()  # (every process has started and imported: the clock starts now)
         start = time.perf_counter()
         submitted = []
