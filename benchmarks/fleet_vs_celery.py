@@ -94,6 +94,7 @@ def start_genq(url: str, model_dir: Path, procs: list[subprocess.Popen[bytes]],
     Client."""
     from producer.bench import run_bench
     from producer.client import Client
+    from producer.protocol import Keys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     log = open(logdir / f"genq-worker-{name}.log", "wb")  # noqa: SIM115 (closed with it)
@@ -104,7 +105,8 @@ def start_genq(url: str, model_dir: Path, procs: list[subprocess.Popen[bytes]],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     procs.append(proc)
     conn = redis.Redis.from_url(url)
-    wait_until(lambda: conn.exists(f"genq:worker:{name}") or proc.poll() is not None, 300,
+    heartbeat = Keys().worker(name, name)
+    wait_until(lambda: conn.exists(heartbeat) or proc.poll() is not None, 300,
                "the genq worker")
     if proc.poll() is not None:
         raise RuntimeError(f"the genq worker exited ({proc.returncode}); see {log.name}")
@@ -171,6 +173,7 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
     from producer.protocol import Keys
     from worker.batch import Batch, EventWrite
     from worker.io_thread import Writer
+    from worker.streams import JobStream
 
     conn = redis.Redis.from_url(url, protocol=2)
     keys = Keys("genqbench", "w")  # (the jobs of its replies: model w's)
@@ -182,8 +185,8 @@ def bench_writer(url: str, steps: int = 200, num_jobs: int = 256) -> dict[str, A
     entry_ids = [eid.decode() for eid, _ in got[0][1]]
     figures = {}
     for mode in ("per_step", "free_running"):
-        writer = Writer(conn, jobs_key, keys.dead("w"), "workers", "me", 60, 60,
-                        fence_key=keys.fence("w", "me"))  # as a worker's
+        writer = Writer(conn, [JobStream(jobs_key, keys.dead("w"), keys.fence("w", "me"))],
+                        "workers", "me", 60, 60)  # as a worker's
         writer.start()
         start = time.perf_counter()
         for step in range(steps):

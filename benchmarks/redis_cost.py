@@ -32,6 +32,7 @@ from producer.events import done_event, encode_event, tokens_event
 from producer.protocol import Keys, as_str
 from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer
+from worker.streams import JobStream
 
 
 def free_port() -> int:
@@ -71,8 +72,8 @@ def run_once(jobs: int, tokens: int, node_bytes: int) -> dict[str, float]:
         base_memory = int(conn.info("memory")["used_memory"])
         out: dict[str, float] = {}
         client = Client(url)
-        writer = Writer(conn, jobs_key, keys.dead(model), keys.group, "w1", 3600, 3600,
-                        fence_key=keys.fence(model, "w1"))
+        writer = Writer(conn, [JobStream(jobs_key, keys.dead(model), keys.fence(model, "w1"))],
+                        keys.group, "w1", 3600, 3600)
 
         before = cpu_s(conn)
         submitted = []

@@ -23,6 +23,7 @@ from producer.events import ClientEvent, DoneEvent
 from producer.protocol import SUBMIT_LUA, JobSpec, as_str, job_model
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, result_from_events
 from producer.results import reply_expired_async
+from producer.shards import sharded_job_id
 
 
 def connect_async(url: str, *, blocking: bool = False) -> aioredis.Redis:
@@ -42,6 +43,8 @@ class AsyncClient(ClientSettings):
                      deadline: float | None = None, stream: bool = True,
                      priority: int = 0) -> AsyncJob:
         """Client.submit's mirror: a prompt, or a chat as `messages=[...]` (keyword)."""
+        job_id = job_id or sharded_job_id(
+            model, await self.shard_counts.get_async(self.redis, model))
         spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages,
                              priority)
         (entry_id,) = await self._submit([spec])
@@ -52,8 +55,9 @@ class AsyncClient(ClientSettings):
                           params: dict[str, Any] | None = None, *, model: str,
                           stream: bool = True, priority: int = 0) -> list[AsyncJob]:
         """Client.submit_many's mirror: many jobs in one pipelined round trip (fresh ids)."""
-        specs = [make_job_spec(p, params, model, None, None, stream, priority=priority)
-                 for p in prompts]
+        shards = await self.shard_counts.get_async(self.redis, model)
+        specs = [make_job_spec(p, params, model, sharded_job_id(model, shards), None, stream,
+                               priority=priority) for p in prompts]
         ids = await self._submit(specs)
         return [AsyncJob(self, spec.id, model, created=eid is not None,
                          entry_id=None if eid is None else as_str(eid))

@@ -19,6 +19,7 @@ import redis
 
 from producer.events import DoneEvent
 from producer.flags import DefaultsHelpFormatter, add_limit_args, add_redis_args, limits_from_args
+from producer.lanes import split_lane
 from producer.limits import check_limits
 from producer.protocol import Keys, ProtocolError, as_str, waiting_entries
 from producer.registry import heartbeats
@@ -258,8 +259,8 @@ def status_main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(format_table(report["queues"], ["model", "length", "lag", "pending", "dead",
-                                          "consumers"]))
+    print(format_table(report["queues"], ["model", "shard", "lane", "length", "lag",
+                                          "pending", "dead", "consumers"]))
     print()
     print(format_table(report["workers"], ["name", "model", "device", "heartbeat_age_s",
                                            "running", "waiting", "capacity", "kv_usage",
@@ -278,24 +279,28 @@ def live_consumers(conn: Any, keys: Keys, model: str) -> int:
 
 
 def queue_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:
-    """One row per job stream, also of models no worker serves (a SCAN: on a cluster, the
-    client's SCAN walks every primary; an operator's look, not a hot path)."""
+    """One row per job stream (a model's priority lane, producer/lanes.py), also of models no
+    worker serves (a SCAN: on a cluster, the client's SCAN walks every primary; an operator's
+    look, not a hot path). `dead` is the shard's (its lanes share one dead-letter stream)."""
     rows = []
     head = keys.jobs("m")[:-len("{m}")]
-    for raw in sorted(conn.scan_iter(match=f"{head}{{*}}", count=1000, _type="stream")):
+    for raw in sorted(conn.scan_iter(match=f"{head}{{*}}*", count=1000, _type="stream")):
         key = as_str(raw)
-        model = key[len(head) + 1:-1]
+        lane = split_lane(key, keys)
+        if lane is None:
+            continue
+        model, shard, lane_name = lane
         groups = {as_str(g["name"]): g for g in conn.xinfo_groups(key)}
         group = groups.get(keys.group, {})
         length = conn.xlen(key)
         pending = int(group.get("pending", 0))
-        rows.append({"model": model, "length": length,
+        rows.append({"model": model, "shard": shard, "lane": lane_name, "length": length,
                      # (no group yet: no reader yet, all of it waits)
                      "lag": waiting_entries(group.get("lag"), pending, length) if group
                      else length,
-                     "pending": pending, "dead": conn.xlen(keys.dead(model)),
+                     "pending": pending, "dead": conn.xlen(keys.dead(model, shard)),
                      "consumers": live_consumers(conn, keys, model) if group else 0})
-    return rows
+    return sorted(rows, key=lambda r: (r["model"], r["shard"], r["lane"]))
 
 
 def worker_rows(conn: Any, keys: Keys) -> list[dict[str, Any]]:

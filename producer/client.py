@@ -13,6 +13,7 @@ import redis
 from producer import connection
 from producer.errors import NotReplicated, ResultExpired
 from producer.events import ClientEvent, DoneEvent
+from producer.lanes import job_stream
 from producer.protocol import (
     DEFAULT_PREFIX,
     PROTOCOL_VERSION,
@@ -32,6 +33,7 @@ from producer.reply_reader import (
     result_from_events,
 )
 from producer.results import reply_expired, wait_results
+from producer.shards import ShardCounts, sharded_job_id
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_IDEMPOTENCY_TTL = 24 * 3600
@@ -91,6 +93,7 @@ class ClientSettings:
             raise ValueError(f"min_replicas: {connection.NO_REPLICA_WAIT_ON_CLUSTER}")
         self.url = url
         self.keys = Keys(prefix)
+        self.shard_counts = ShardCounts(self.keys)  # (producer/shards.py)
         self.idempotency_ttl = idempotency_ttl
         self.stream_ttl = stream_ttl
         self.cancel_ttl = cancel_ttl
@@ -100,7 +103,7 @@ class ClientSettings:
 
     def submit_call(self, spec: JobSpec) -> tuple[list[Any], list[Any]]:
         """The keys and args of SUBMIT_LUA for `spec`."""
-        return ([self.keys.idem(spec.id, spec.model), self.keys.jobs(spec.model)],
+        return ([self.keys.idem(spec.id, spec.model), job_stream(self.keys, spec)],
                 [self.idempotency_ttl, PROTOCOL_VERSION, encode_job_entry(spec)["job"],
                  self.stream_ttl])
 
@@ -157,6 +160,7 @@ class Client(ClientSettings):
         "content": ...}, ...]` that the worker renders with the model's chat template.
         `priority`: lower runs sooner (vLLM's meaning; workers under --scheduling-policy
         priority, the default, order their admitted jobs by it)."""
+        job_id = job_id or sharded_job_id(model, self.shard_counts.get(self.redis, model))
         spec = make_job_spec(prompt, params, model, job_id, deadline, stream, messages,
                              priority)
         (entry_id,) = self._submit([spec])
@@ -167,8 +171,9 @@ class Client(ClientSettings):
                     params: dict[str, Any] | None = None, *, model: str,
                     stream: bool = True, priority: int = 0) -> list[Job]:
         """Submit many jobs in one pipelined round trip (fresh ids)."""
-        specs = [make_job_spec(p, params, model, None, None, stream, priority=priority)
-                 for p in prompts]
+        shards = self.shard_counts.get(self.redis, model)
+        specs = [make_job_spec(p, params, model, sharded_job_id(model, shards), None, stream,
+                               priority=priority) for p in prompts]
         ids = self._submit(specs)
         return [Job(self, spec.id, model, created=eid is not None,
                     entry_id=None if eid is None else as_str(eid))

@@ -52,7 +52,7 @@ from producer.gateway_limits import check_prompt_count
 from producer.limits import Limits, check_job_bytes, check_limits
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
-from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, encode_job_entry, new_job_id
+from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, encode_job_entry
 
 JOB_ID_HEADER = "Genq-Job-Id"
 RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume
@@ -136,7 +136,7 @@ class Gateway:
         (`messages`, prompts empty) is one job; the worker applies the model's chat template.
         Without `stream` the worker writes no tokens events (the answer needs only the end)."""
         given = request.headers.get(JOB_ID_HEADER)
-        base = given or new_job_id(model)
+        base = given or await self.redis.new_job_id(model)
         inputs: list[tuple[str | list[int] | None, list[dict[str, str]] | None]] = (
             [(None, messages)] if messages is not None else [(p, None) for p in prompts])
         ids = [base] if len(inputs) == 1 else [f"{base}-{k}" for k in range(len(inputs))]

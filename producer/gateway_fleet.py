@@ -17,7 +17,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis import ConnectionError as RedisConnectionError
-from redis import ResponseError
 from redis import TimeoutError as RedisTimeoutError
 
 from producer.client import DEFAULT_CANCEL_TTL, DEFAULT_IDEMPOTENCY_TTL, DEFAULT_STREAM_TTL
@@ -25,6 +24,7 @@ from producer.connection import connect_async
 from producer.events import ClientEvent, DoneEvent
 from producer.gateway_hub import ReplyHub, Subscription
 from producer.gateway_limits import check_queue_room
+from producer.lanes import job_stream, lane_keys
 from producer.openai_schema import GatewayError
 from producer.protocol import (
     PROTOCOL_VERSION,
@@ -37,6 +37,7 @@ from producer.protocol import (
 from producer.registry import heartbeats_async
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, entry_key
 from producer.results import reply_expired_async
+from producer.shards import ShardCounts, sharded_job_id
 
 # A job's error code -> (HTTP status, OpenAI error type).
 _ERROR_STATUS: dict[str, tuple[int, str]] = {
@@ -64,12 +65,17 @@ class GatewayRedis:
         self.blocking_conn = connect_async(url, max_connections=max_connections,
                                            socket_timeout=BLOCK_MS / 1000 + 10)
         self._submit_script = self.conn.register_script(SUBMIT_LUA)
+        self.shard_counts = ShardCounts(keys)
+
+    async def new_job_id(self, model: str) -> str:
+        """A fresh id in one of the model's shards (producer/shards.py)."""
+        return sharded_job_id(model, await self.shard_counts.get_async(self.conn, model))
 
     async def submit(self, spec: JobSpec, payload: bytes) -> bool:
         """Enqueue a checked job once per id (Client.submit's recipe); False: the id existed.
         `payload`: the job encoded (encode_job_entry's "job")."""
         entry_id = await self._submit_script(
-            keys=[self.keys.idem(spec.id, spec.model), self.keys.jobs(spec.model)],
+            keys=[self.keys.idem(spec.id, spec.model), job_stream(self.keys, spec)],
             args=[DEFAULT_IDEMPOTENCY_TTL, PROTOCOL_VERSION, payload, DEFAULT_STREAM_TTL])
         return entry_id is not None
 
@@ -93,6 +99,7 @@ class FleetView:
         self.cache_s = cache_s
         self._models: dict[str, int] = {}
         self._models_at = -1e9
+        self.shard_counts = ShardCounts(keys)
 
     async def live_models(self, fresh: bool = False) -> dict[str, int]:
         """{served model name: number of live workers}."""
@@ -106,21 +113,29 @@ class FleetView:
         return models
 
     async def queue_depth(self, model: str) -> int | None:
-        """Jobs of the model not finished: waiting for a worker + held by workers (pending).
-        None when the model has no job stream."""
-        try:
-            groups = await self.conn.xinfo_groups(self.keys.jobs(model))
-        except ResponseError:
-            return None
+        """Jobs of the model not finished, over its shards' priority lanes: waiting
+        for a worker + held by workers (pending). None when the model has no job stream."""
+        shards = await self.shard_counts.get_async(self.conn, model)
+        lanes = [key for shard in range(shards) for key in lane_keys(self.keys, model, shard)]
+        pipe = self.conn.pipeline(transaction=False)
+        for key in lanes:
+            pipe.xinfo_groups(key)
+            pipe.xlen(key)
+        replies = await pipe.execute(raise_on_error=False)
+        depths = [self._lane_depth(groups, length)
+                  for groups, length in zip(replies[::2], replies[1::2], strict=True)]
+        known = [d for d in depths if d is not None]
+        return sum(known) if known else None
+
+    def _lane_depth(self, groups: Any, length: Any) -> int | None:
+        if isinstance(groups, Exception) or isinstance(length, Exception):
+            return None  # no such stream
         for group in groups:
             name = group["name"]
             if (name.decode() if isinstance(name, bytes) else name) == self.keys.group:
                 pending = int(group.get("pending") or 0)
-                lag = group.get("lag")
-                length = 0 if isinstance(lag, int) else \
-                    int(await self.conn.xlen(self.keys.jobs(model)))
-                return waiting_entries(lag, pending, length) + pending
-        return int(await self.conn.xlen(self.keys.jobs(model)))
+                return waiting_entries(group.get("lag"), pending, int(length)) + pending
+        return int(length)
 
     async def require_model(self, model: str, max_queue_depth: int,
                             num_sequences: int = 1) -> None:

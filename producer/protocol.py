@@ -7,7 +7,10 @@ field, a wrong type, a missing field, an oversized payload or an id outside [A-Z
 Keys (prefix configurable, default "genq"; {m} is the hash tag of the job's model, so a model's
 keys share one Redis Cluster slot):
     <p>:jobs:{m}            stream of job entries, consumer group "workers"; fields v, job [, a]
-    <p>:dead:{m}            dead-letter stream: fields reason, code, entry, worker [, job]
+    <p>:jobs:{m}:high       the same, for jobs of priority < 0; ...:low for priority > 0 (the
+                            priority lanes: producer/lanes.py)
+    <p>:dead:{m}            dead-letter stream (all lanes'): fields reason, code, entry, worker
+                            [, job]
     <p>:reply:{m}:<id>      reply stream of one job; field e = one event
     <p>:cancel:{m}:<id>     cancel flag (with TTL) + an SPUBLISH of <id> on channel <p>:cancel:{m}
     <p>:idem:{m}:<id>       idempotency key set by submit (a job id runs once): "1", then "ended"
@@ -23,8 +26,6 @@ so attempt numbers keep increasing when a draining worker hands a job back.
 
 from __future__ import annotations
 
-import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,12 @@ from typing import Any
 import msgpack
 
 from producer.errors import ProtocolError
+from producer.job_ids import MAX_NAME_LEN as MAX_NAME_LEN
+from producer.job_ids import MAX_SHARDS as MAX_SHARDS
+from producer.job_ids import job_model as job_model
+from producer.job_ids import job_shard as job_shard
+from producer.job_ids import new_job_id as new_job_id
+from producer.job_ids import validate_name as validate_name
 from producer.job_params import check_messages, check_params
 from producer.wire_types import Check
 from producer.wire_types import is_bool as _is_bool
@@ -47,45 +54,10 @@ PROTOCOL_VERSION = 2
 DEFAULT_PREFIX = "genq"
 CONSUMER_GROUP = "workers"
 REPLY_FIELD = "e"
-MAX_NAME_LEN = 128
 DEFAULT_MAX_JOB_BYTES = 1 << 20
 DEFAULT_MAX_EVENT_BYTES = 64 << 20
-_NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 
 
-def validate_name(value: object, what: str = "job id") -> str:
-    """A name that may become part of a Redis key: 1..128 chars of [A-Za-z0-9_.:-]."""
-    if not isinstance(value, str):
-        raise ProtocolError("bad_id", f"{what} must be a string, got {type(value).__name__}")
-    if not 1 <= len(value) <= MAX_NAME_LEN or not _NAME_RE.fullmatch(value):
-        raise ProtocolError("bad_id", f"{what} {value[:MAX_NAME_LEN]!r} must be 1-{MAX_NAME_LEN} "
-                                      "characters from [A-Za-z0-9_.:-]")
-    return value
-
-
-# Ids genq makes: "<model>.<32 hex digits>", and "-<k>" after it for the k-th job of one gateway
-# request. The model in the id is what finds its keys' slot from the id alone.
-_MADE_ID_RE = re.compile(r"(?P<model>[A-Za-z0-9_.:-]+)\.[0-9a-f]{32}(?:-[0-9]+)?")
-_MADE_ID_TAIL = 1 + 32 + 8  # ".<hex>" and room for "-<k>"
-
-
-def new_job_id(model: str) -> str:
-    """A fresh job id that names its model, so `Client.job(id)` and `cancel(id)` find its keys
-    without being told the model. A model name too long to fit gets a bare id (its jobs are
-    found with model=...)."""
-    hex_part = uuid.uuid4().hex
-    if len(model) + _MADE_ID_TAIL > MAX_NAME_LEN:
-        return hex_part
-    return f"{validate_name(model, 'model name')}.{hex_part}"
-
-
-def job_model(job_id: str) -> str:
-    """The model a job id names (new_job_id); ValueError when it names none."""
-    made = _MADE_ID_RE.fullmatch(job_id)
-    if made is None:
-        raise ValueError(f"job id {job_id[:MAX_NAME_LEN]!r} does not name its model (ids genq "
-                         "makes do: <model>.<hex>); pass model=... to find its job")
-    return made["model"]
 
 
 @dataclass(frozen=True)
@@ -120,34 +92,42 @@ class Keys:
         workers' ACL key pattern covers it."""
         return f"{self.prefix}:worker:models"
 
-    def _queue(self, kind: str, model: str) -> str:
-        return f"{self.prefix}:{kind}:{{{validate_name(model, 'model name')}}}"
+    def _queue(self, kind: str, model: str, shard: int = 0) -> str:
+        """A key of `model`'s queue shard: its hash tag is {<model>} for shard 0 (a model of
+        one shard), {<model>#<shard>} for the others ('#' is in no name: no tag collides)."""
+        tag = validate_name(model, "model name") + (f"#{shard}" if shard else "")
+        return f"{self.prefix}:{kind}:{{{tag}}}"
 
-    def jobs(self, model: str) -> str:
-        return self._queue("jobs", model)
+    def jobs(self, model: str, shard: int = 0) -> str:
+        return self._queue("jobs", model, shard)
 
-    def dead(self, model: str) -> str:
-        return self._queue("dead", model)
+    def dead(self, model: str, shard: int = 0) -> str:
+        return self._queue("dead", model, shard)
 
-    def workers(self, model: str) -> str:
+    def shards(self, model: str) -> str:
+        """The number of shards of `model`'s queue (--shards, set by its workers; none: 1)."""
+        return self._queue("shards", model)
+
+    def workers(self, model: str, shard: int = 0) -> str:
         """The set of worker names that served `model` (each beat adds its own; reclaim drops
-        the gone ones): the per-model registry. A name's heartbeat is `worker(model, name)`."""
-        return self._queue("worker", model)
+        the gone ones): the per-model registry. A name's heartbeat is `worker(model, name)`.
+        A sharded model's workers beat in every shard (the reclaim of a shard looks there)."""
+        return self._queue("worker", model, shard)
 
-    def worker(self, model: str, name: str) -> str:
-        return f"{self.workers(model)}:{validate_name(name, 'worker name')}"
+    def worker(self, model: str, name: str, shard: int = 0) -> str:
+        return f"{self.workers(model, shard)}:{validate_name(name, 'worker name')}"
 
-    def fence_prefix(self, model: str) -> str:
-        """Followed by a worker name: a counter bumped whenever pending entries of `model`'s
-        stream are claimed from that worker (worker/scripts.py)."""
-        return self._queue("fence", model) + ":"
+    def fence_prefix(self, model: str, shard: int = 0) -> str:
+        """Followed by a worker name: a counter bumped whenever pending entries of the shard's
+        streams are claimed from that worker (worker/scripts.py)."""
+        return self._queue("fence", model, shard) + ":"
 
-    def fence(self, model: str, name: str) -> str:
-        return self.fence_prefix(model) + validate_name(name, "worker name")
+    def fence(self, model: str, name: str, shard: int = 0) -> str:
+        return self.fence_prefix(model, shard) + validate_name(name, "worker name")
 
     def cancel_channel(self, model: str) -> str:
         """The shard channel (SPUBLISH) on which cancels of `model`'s jobs are announced: it
-        lives on the node of the model's slot."""
+        lives on the node of the model's slot (shard 0's: one channel for all of its shards)."""
         return self._queue("cancel", model)
 
     def reply(self, job_id: str, model: str | None = None) -> str:
@@ -161,7 +141,8 @@ class Keys:
 
     def _job(self, kind: str, job_id: str, model: str | None) -> str:
         validate_name(job_id)
-        return f"{self._queue(kind, model or self.model or job_model(job_id))}:{job_id}"
+        return (f"{self._queue(kind, model or self.model or job_model(job_id), job_shard(job_id))}"
+                f":{job_id}")
 
     @property
     def batches(self) -> str:

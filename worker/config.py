@@ -7,7 +7,7 @@ from typing import Literal
 
 from producer.connection import NO_REPLICA_WAIT_ON_CLUSTER, parse
 from producer.limits import Limits
-from producer.protocol import DEFAULT_PREFIX, validate_name
+from producer.protocol import DEFAULT_PREFIX, MAX_SHARDS, validate_name
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class WorkerConfig:
     # token writes from a child process (its own GIL), or a thread
     writer: Literal["process", "thread"] = "process"
     min_replicas: int = 0  # writes that end jobs wait until this many replicas hold them
+    shards: int = 1  # the model's queue shards (producer/shards.py); this worker reads them all
 
     def __post_init__(self) -> None:
         validate_name(self.served_model_name, "served model name")
@@ -61,6 +62,8 @@ class WorkerConfig:
             raise ValueError(f"--min-replicas must be >= 0, got {self.min_replicas}")
         if self.min_replicas and parse(self.redis_url).is_cluster:
             raise ValueError(f"--min-replicas: {NO_REPLICA_WAIT_ON_CLUSTER}")
+        if not 1 <= self.shards < MAX_SHARDS:
+            raise ValueError(f"--shards must be in [1, {MAX_SHARDS}), got {self.shards}")
         if self.block_ms < 1:
             raise ValueError(f"block_ms must be at least 1, got {self.block_ms}")
 

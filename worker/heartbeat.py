@@ -42,31 +42,46 @@ class Registry:
 
 class Heartbeat(threading.Thread):
     def __init__(self, conn: redis.Redis, key: str, ttl: float, interval: float,
-                 info: Callable[[], dict[str, Any]], jobs_key: str, stream_ttl: int,
+                 info: Callable[[], dict[str, Any]], jobs_keys: list[str], stream_ttl: int,
                  sample: Callable[[redis.Redis], None] | None = None,
-                 registry: Registry | None = None) -> None:
+                 registry: Registry | None = None,
+                 shards: tuple[str, int, list[tuple[str, str]]] | None = None) -> None:
         super().__init__(name="genq-heartbeat", daemon=True)
         self.conn = conn
         self.key = key
         self.ttl_ms = int(ttl * 1000)
         self.interval = interval
         self.info = info
-        self.jobs_key = jobs_key
+        self.jobs_keys = jobs_keys  # the streams this worker reads: kept alive while it is
         self.stream_ttl = stream_ttl
         self.sample = sample  # e.g. metrics: queue lag, sampled after each beat
         self.registry = registry
+        # A sharded model (--shards k > 1): (Keys.shards key, k, the worker's heartbeat key and
+        # registry set in shards 1..k-1): each beat writes k and beats in every shard. (k = 1
+        # writes nothing: producers take a missing count as 1, and an unsharded deployment's
+        # keys and ACL stay as they were.)
+        self.shards = shards
         self._halt = threading.Event()
 
     def beat(self) -> None:
         value = encode_heartbeat({**self.info(), "ts": time.time()})
         pipe = self.conn.pipeline(transaction=False)
         pipe.set(self.key, value, px=self.ttl_ms)
-        pipe.expire(self.jobs_key, self.stream_ttl)
+        for key in self.jobs_keys:
+            pipe.expire(key, self.stream_ttl)
         if self.registry is not None:  # (the sets live as long as the streams they list)
             pipe.sadd(self.registry.workers, self.registry.name)
             pipe.expire(self.registry.workers, self.stream_ttl)
             pipe.sadd(self.registry.models, self.registry.model)
             pipe.expire(self.registry.models, self.stream_ttl)
+        if self.shards is not None:
+            count_key, k, copies = self.shards
+            pipe.set(count_key, k, ex=self.stream_ttl)
+            for key, workers in copies:
+                pipe.set(key, value, px=self.ttl_ms)
+                if self.registry is not None:
+                    pipe.sadd(workers, self.registry.name)
+                    pipe.expire(workers, self.stream_ttl)
         pipe.execute()
 
     def run(self) -> None:
@@ -90,6 +105,10 @@ class Heartbeat(threading.Thread):
                 self.conn.delete(self.key)
                 if self.registry is not None:
                     self.conn.srem(self.registry.workers, self.registry.name)
+                for key, workers in self.shards[2] if self.shards is not None else []:
+                    self.conn.delete(key)
+                    if self.registry is not None:
+                        self.conn.srem(workers, self.registry.name)
             except RETRYABLE:  # (READONLY: a failover demoted our node; the key expires)
                 pass
 

@@ -21,6 +21,7 @@ from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer
 from worker.jobs import ActiveJob, terminal_event, token_events
 from worker.metrics import WorkerMetrics
+from worker.streams import split_ref
 from worker.writer_process import WriterProcess
 
 log = logging.getLogger("genq.worker")
@@ -141,7 +142,8 @@ class Held:
                                        else "rejected")
         dead: list[object] = []
         if r.dead:
-            dead = ["reason", r.message, "code", r.code, "entry", r.entry_id, "worker", self.me]
+            dead = ["reason", r.message, "code", r.code, "entry", split_ref(r.entry_id)[1],
+                    "worker", self.me]
             if r.raw_job is not None:
                 dead += ["job", r.raw_job]
         event = encode_event(error_event(r.attempt, r.code, r.message)) if r.reply_key else None

@@ -5,58 +5,54 @@ runs the next step. It runs as a thread of the worker (--writer thread) or, driv
 Batches queued while a round trip is in flight are merged into the next one. A write that fails
 on a lost connection is retried (backoff) until it succeeds, so nothing is lost: the fenced
 scripts make a retried write either a duplicate the client drops by (index, pos) or a no-op.
+
+Writes name entries by their ref (worker/streams.py); each script call is about the entries of
+one stream (and slot), so a step's writes are one call per stream that has some.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
 from typing import Any
 
-import msgpack
 import redis
 
 from producer.connection import RETRYABLE
-from producer.events import encode_event
 from producer.protocol import as_str
-from worker.batch import Batch, EventWrite, chunks, finish_args, finish_keys, merge
+from worker.batch import Batch, EventWrite, FinishWrite, finish_args, finish_keys, merge
+from worker.event_calls import EventsCall, Fence, by_stream, event_calls, raw_finish
 from worker.scripts import Scripts
+from worker.streams import JobStream, ref, split_ref
 
 log = logging.getLogger("genq.worker")
 _GONE_KEEP_S = 10.0
 REPLICA_WAIT_MS = 1000  # the longest a write that ends jobs waits for --min-replicas
-_FENCE_RECHECK_S = 1.0  # the longest token writes go on without a full ownership check
 
 
 class Writer(threading.Thread):
-    def __init__(self, conn: redis.Redis, jobs_key: str, dead_key: str, group: str, me: str,
+    def __init__(self, conn: redis.Redis, streams: list[JobStream], group: str, me: str,
                  reply_ttl: int, dead_ttl: int, max_events_per_call: int = 1024,
-                 fence_key: str | None = None, min_replicas: int = 0) -> None:
+                 min_replicas: int = 0) -> None:
         super().__init__(name="genq-writer", daemon=True)
         self.conn = conn
         self.scripts = Scripts(conn)
-        self.jobs_key = jobs_key
-        self.dead_key = dead_key
+        # Per stream (index: the refs'): its keys, and its fence counter (JobStream.fence, this
+        # worker's; WRITE_EVENTS_LUA): while it reads as at the last full ownership check, token
+        # writes skip the check. None: check every write.
+        self.streams = streams
+        self.fences = [Fence() for _ in streams]
         self.group = group
         self.me = me
         self.reply_ttl = reply_ttl
         self.dead_ttl = dead_ttl
         self.max_events_per_call = max_events_per_call
-        # This worker's fence counter (Keys.fence; WRITE_EVENTS_LUA): while it reads as at the
-        # last full ownership check, token writes skip the check. None: check every write.
-        self.fence_key = fence_key
         # --min-replicas: a write that ends jobs waits (WAIT, REPLICA_WAIT_MS) until this many
         # replicas hold it, so a failover right after loses no end a client may have read.
         self.min_replicas = min_replicas
         self.short_acks = 0  # writes that ended jobs before min_replicas acknowledged them
-        self._fence_seen = ""  # '' until a write has checked
-        self._fence_checked_at = -math.inf
-        # Attempts whose ownership a write checked since the counter last moved: the others
-        # are checked, each on its own, at their next write.
-        self._verified: dict[str, int] = {}  # entry id -> deliveries
         # Attempts found lost, or finished here: events still queued for them are dropped (a
         # write that skips the ownership check would let them through, after the terminal
         # event). (entry, deliveries) -> when, oldest first; kept _GONE_KEEP_S.
@@ -144,7 +140,7 @@ class Writer(threading.Thread):
                 return
             except RETRYABLE as exc:  # (dropping the write would leave a gap in the tokens,
                 # or a finished job unacked and run again)
-                self._fence_seen = ""  # Redis may have restarted: check ownership again
+                self._forget_fences()  # Redis may have restarted: check ownership again
                 hint = " (Redis is out of memory: raise its maxmemory or free some)" \
                     if isinstance(exc, redis.exceptions.OutOfMemoryError) else ""
                 log.warning("redis write failed (%s)%s; retrying in %.2f s", exc, hint, backoff)
@@ -190,7 +186,8 @@ class Writer(threading.Thread):
             for one in attempts.values():
                 self._write_until_done(one)
             return True
-        [(entry_id, deliveries)] = attempts
+        [(entry_ref, deliveries)] = attempts
+        stream, entry_id = split_ref(entry_ref)
         dead = [fin for fin in batch.finishes if fin.dead_fields]
         if dead and all(fin.reply_key is None for fin in dead):
             return False
@@ -203,86 +200,44 @@ class Writer(threading.Thread):
         log.error("redis refused the writes of entry %s (%s): its delivery %d counts as a failed "
                   "attempt", entry_id, exc, deliveries)
         try:
-            self.scripts.fail_attempts(keys=[self.jobs_key],
+            self.scripts.fail_attempts(keys=[self.streams[stream].jobs],
                                        args=[self.group, self.me, entry_id, deliveries])
         except (*RETRYABLE, redis.ResponseError) as again:  # (its next write is fenced out)
             log.error("entry %s: counting its failed attempt failed too (%s)", entry_id, again)
-        self._mark_gone(entry_id, deliveries, time.monotonic())
+        self._mark_gone(entry_ref, deliveries, time.monotonic())
         for fin in batch.finishes:
             if fin.reply_key is not None:
                 self._ttl_set_at.pop(fin.reply_key, None)
             self.finished.put(fin.entry_id)
-        self.lost.put((entry_id, deliveries))
+        self.lost.put((entry_ref, deliveries))
         return True
 
     def _write(self, batch: Batch) -> None:
         try:
             self._write_once(batch)
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
-            self._fence_seen = ""
+            self._forget_fences()
             self.scripts.load()
             self._write_once(batch)
 
     def _write_once(self, batch: Batch) -> None:
         pipe = self.conn.pipeline(transaction=False)
         now = time.monotonic()
-        events = batch.events  # (one write per attempt: Batch's rule, coalesce() when merged)
-        gone_ids, gone = self._gone_ids, self._gone
-        num_events = sum(len(w.events) for w in events)
         refreshed: list[str] = []  # reply keys whose TTL this write sets
-        stale = now - self.reply_ttl / 4
-        ttl_at = self._ttl_set_at
-        if self.fence_key is None:
-            fence = "-"
-        elif now - self._fence_checked_at > _FENCE_RECHECK_S:
-            fence = ""  # a full check now and then, whatever the counter says
-        else:
-            fence = self._fence_seen
-        verified = self._verified
-        calls_of = chunks(events, num_events, self.max_events_per_call)
-        # Per chunk: the writes it holds, and the attempts it asks to check.
-        calls: list[tuple[list[EventWrite], list[tuple[str, int]]]] = []
-        never = -math.inf
-        for chunk in calls_of:
-            written: list[EventWrite] = []
-            check: list[tuple[str, int]] = []
-            keys = [self.jobs_key, self.fence_key or self.jobs_key]
-            index: list[Any] = []
-            blobs: list[bytes] = []
-            for w in chunk:
-                if w.entry_id in gone_ids and (w.entry_id, w.deliveries) in gone:
-                    num_events -= len(w.events)  # lost, or finished: nothing more of it
-                    continue
-                written.append(w)
-                if len(w.events) == 1:  # the common case: one step's tokens of one sequence
-                    blob = encode_event(w.events[0])
-                    blobs.append(blob)
-                    lengths = [len(blob)]
-                else:
-                    encoded = [encode_event(e) for e in w.events]
-                    blobs += encoded
-                    lengths = [len(b) for b in encoded]
-                refresh = ttl_at.get(w.reply_key, never) < stale
-                if refresh:
-                    refreshed.append(w.reply_key)
-                keys.append(w.reply_key)
-                unverified = verified.get(w.entry_id) != w.deliveries
-                if unverified:
-                    check.append((w.entry_id, w.deliveries))
-                index.append([w.entry_id, w.deliveries, lengths, refresh, unverified])
-            if not written:
-                continue
-            calls.append((written, check))
-            args = [self.group, self.me, self.reply_ttl, msgpack.packb(index), b"".join(blobs),
-                    fence]
-            self.scripts.queue(pipe, self.scripts.write_events, keys, args)
+        calls: list[EventsCall] = []
+        for stream, events in by_stream(batch.events).items():
+            calls += self._queue_events(pipe, stream, events, now, refreshed)
+        finishes: list[FinishWrite] = []  # in the order of their calls
         step = self.max_events_per_call
-        for lo in range(0, len(batch.finishes), step):
-            fins = batch.finishes[lo:lo + step]
-            self.scripts.queue(pipe, self.scripts.finish,
-                               finish_keys(fins, self.jobs_key, self.dead_key, self.mark_ended),
-                               finish_args(fins, self.group, self.me, self.reply_ttl,
-                                           self.dead_ttl))
+        for stream, fins_of in by_stream(batch.finishes).items():
+            keys = self.streams[stream]
+            for lo in range(0, len(fins_of), step):
+                fins = fins_of[lo:lo + step]
+                finishes += fins
+                self.scripts.queue(pipe, self.scripts.finish,
+                                   finish_keys(fins, keys.jobs, keys.dead, self.mark_ended),
+                                   finish_args([raw_finish(f) for f in fins], self.group, self.me,
+                                               self.reply_ttl, self.dead_ttl))
         waits = bool(self.min_replicas and batch.finishes)
         if waits:
             pipe.wait(self.min_replicas, REPLICA_WAIT_MS)
@@ -290,35 +245,11 @@ class Writer(threading.Thread):
         if waits:
             self._check_acks(int(results.pop()), len(batch.finishes))
         for key in refreshed:  # only now: a retried write must set them again
-            ttl_at[key] = now
-        walked = False
-        # (events calls come first in the pipeline)
-        for (chunk, check), result in zip(calls, results, strict=False):
-            seen, lost_ids = as_str(result[0]), result[1]
-            lost = {as_str(e) for e in lost_ids}
-            if seen != fence:  # the counter moved, or a periodic or first check: the script
-                # walked every held entry, but only those of this write are known to be ours
-                # now (the others are checked at their next write)
-                if not walked:
-                    walked = True
-                    self._verified = verified = {}
-                    self._fence_seen, self._fence_checked_at = seen, now
-                check = [(w.entry_id, w.deliveries) for w in chunk]
-            for entry_id, deliveries in check:  # (none at steady state)
-                if entry_id not in lost:
-                    verified[entry_id] = deliveries
-            if result[2]:  # a reply key that is not a stream: once per attempt in the log
-                self._warn_unwritable(chunk, {as_str(e) for e in result[2]})
-            if lost:  # rare: entries reclaimed from us
-                for w in chunk:
-                    if w.entry_id in lost:
-                        ttl_at.pop(w.reply_key, None)
-                        self._mark_gone(w.entry_id, w.deliveries, now)
-                        if verified.get(w.entry_id) == w.deliveries:
-                            del verified[w.entry_id]
-                        self.lost.put((w.entry_id, w.deliveries))
-        self.num_events_written += num_events
-        for fin, wrote in zip(batch.finishes, (w for r in results[len(calls):] for w in r),
+            self._ttl_set_at[key] = now
+        walked: set[int] = set()
+        for call, result in zip(calls, results, strict=False):  # (events calls come first)
+            self._take_events_result(call, result, now, walked)
+        for fin, wrote in zip(finishes, (w for r in results[len(calls):] for w in r),
                               strict=True):
             if wrote == 2:
                 log.warning("entry %s: its reply key %s is not a stream; the job is "
@@ -326,12 +257,61 @@ class Writer(threading.Thread):
                             fin.entry_id, fin.reply_key)
         for fin in batch.finishes:
             if fin.reply_key is not None:
-                ttl_at.pop(fin.reply_key, None)
+                self._ttl_set_at.pop(fin.reply_key, None)
             self._mark_gone(fin.entry_id, fin.deliveries, now)
-            if self._verified.get(fin.entry_id) == fin.deliveries:
-                del self._verified[fin.entry_id]
+            verified = self.fences[split_ref(fin.entry_id)[0]].verified
+            if verified.get(fin.entry_id) == fin.deliveries:
+                del verified[fin.entry_id]
             self.finished.put(fin.entry_id)
         self._forget_gone(now)
+
+    def _queue_events(self, pipe: Any, stream: int, events: list[EventWrite], now: float,
+                      refreshed: list[str]) -> list[EventsCall]:
+        """WRITE_EVENTS_LUA calls in `pipe` for one stream's `events`."""
+        calls = []
+        for call, keys, args in event_calls(
+                self.streams[stream], stream, self.fences[stream], events, now,
+                (self._gone_ids, self._gone), self._ttl_set_at, self.reply_ttl,
+                self.max_events_per_call, refreshed):
+            calls.append(call)
+            self.scripts.queue(pipe, self.scripts.write_events, keys,
+                               [self.group, self.me, *args])
+        return calls
+
+    def _take_events_result(self, call: EventsCall, result: Any, now: float,
+                            walked: set[int]) -> None:
+        stream, chunk, check = call.stream, call.writes, call.check
+        fence_state = self.fences[stream]
+        seen = as_str(result[0])
+        lost = {ref(stream, as_str(e)) for e in result[1]}
+        if seen != call.fence:  # the counter moved, or a periodic or first check: the script
+            # walked every held entry of the stream, but only those of this write are known to
+            # be ours now (the others are checked at their next write)
+            if stream not in walked:
+                walked.add(stream)
+                fence_state.verified = {}
+                fence_state.seen, fence_state.checked_at = seen, now
+            check = [(w.entry_id, w.deliveries) for w in chunk]
+        verified = fence_state.verified
+        for entry_id, deliveries in check:  # (none at steady state)
+            if entry_id not in lost:
+                verified[entry_id] = deliveries
+        if result[2]:  # a reply key that is not a stream: once per attempt in the log
+            self._warn_unwritable(chunk, {ref(stream, as_str(e)) for e in result[2]})
+        num_written = sum(len(w.events) for w in chunk)
+        if lost:  # rare: entries reclaimed from us
+            for w in chunk:
+                if w.entry_id in lost:
+                    self._ttl_set_at.pop(w.reply_key, None)
+                    self._mark_gone(w.entry_id, w.deliveries, now)
+                    if verified.get(w.entry_id) == w.deliveries:
+                        del verified[w.entry_id]
+                    self.lost.put((w.entry_id, w.deliveries))
+        self.num_events_written += num_written
+
+    def _forget_fences(self) -> None:
+        for fence in self.fences:
+            fence.seen = ""
 
     def _check_acks(self, acks: int, num_finishes: int) -> None:
         if acks >= self.min_replicas:
@@ -370,3 +350,4 @@ class Writer(threading.Thread):
                 del ids[oldest[0]]
             else:
                 ids[oldest[0]] -= 1
+

@@ -36,6 +36,7 @@ from worker.metrics import MetricsServer, WorkerMetrics
 from worker.quarantine import EXIT_ENGINE_BROKEN, EngineBroken, Quarantine
 from worker.reader import Entry, JobReader
 from worker.scripts import flatten_fields
+from worker.streams import WorkerKeys
 from worker.writer_process import WriterProcess
 
 log = logging.getLogger("genq.worker")
@@ -54,37 +55,37 @@ class Worker:
         self.cfg = cfg
         self.keys = Keys(cfg.prefix, cfg.served_model_name)  # (the jobs' keys: this model's)
         self.me = cfg.name
-        self.jobs_key = self.keys.jobs(cfg.served_model_name)
+        self.wkeys = WorkerKeys(self.keys, cfg.served_model_name, self.me, cfg.shards)
         self.conn = connect(cfg.redis_url, socket_timeout=10)
-        self.reader = JobReader(cfg, self.keys, self.conn)
+        self.reader = JobReader(cfg, self.wkeys, self.conn)
         self.admission = Admission(cfg, self.keys, engine.tokenizer, engine.max_model_len,
                                    getattr(engine, "vocab_size", None))
         self.max_num_seqs = int(engine.config.max_num_seqs)
-        writer_args = (self.jobs_key, self.keys.dead(cfg.served_model_name), self.keys.group,
-                       self.me, cfg.result_ttl, cfg.dead_ttl)
-        fence = self.keys.fence(cfg.served_model_name, self.me)
+        writer_args = (self.wkeys.streams, self.keys.group, self.me, cfg.result_ttl,
+                       cfg.dead_ttl)
         self.writer: Writer | WriterProcess = \
-            WriterProcess(cfg.redis_url, *writer_args, fence_key=fence,
-                          min_replicas=cfg.min_replicas) \
-            if cfg.writer == "process" else Writer(self.conn, *writer_args, fence_key=fence,
+            WriterProcess(cfg.redis_url, *writer_args, min_replicas=cfg.min_replicas) \
+            if cfg.writer == "process" else Writer(self.conn, *writer_args,
                                                    min_replicas=cfg.min_replicas)
-        self.metrics = WorkerMetrics(cfg.served_model_name, self.me, self.jobs_key,
+        self.metrics = WorkerMetrics(cfg.served_model_name, self.me, self.wkeys.jobs,
                                      self.keys.group)
         self.metrics.read_stats_from(lambda: (self._stats, len(self.held)))
         self.metrics_server = metrics_server  # bound already (genq worker), or bound in run()
-        self.heartbeat = Heartbeat(self.conn, self.keys.worker(cfg.served_model_name, self.me),
+        self.heartbeat = Heartbeat(self.conn, self.wkeys.heartbeat,
                                    cfg.heartbeat_ttl, cfg.heartbeat_interval,
-                                   self._heartbeat_info, self.jobs_key, cfg.stream_ttl,
+                                   self._heartbeat_info, self.wkeys.jobs, cfg.stream_ttl,
                                    sample=self.metrics.sample if cfg.metrics_port else None,
-                                   registry=Registry.of(self.keys, cfg.served_model_name, self.me))
-        self.cancel_listener = CancelListener(cfg.redis_url,
-                                              self.keys.cancel_channel(cfg.served_model_name))
+                                   registry=Registry.of(self.keys, cfg.served_model_name, self.me),
+                                   shards=None if cfg.shards == 1 else (
+                                       self.keys.shards(cfg.served_model_name), cfg.shards,
+                                       self.wkeys.shard_heartbeats))
+        self.cancel_listener = CancelListener(cfg.redis_url, self.wkeys.cancel_channel)
         self.cancels = Cancels(self.cancel_listener, self.conn, self.keys,
                                cfg.cancel_poll_interval)
         self.stop_requested = threading.Event()
         self.counters = {"admitted": 0, "completed": 0, "rejected": 0, "reclaimed": 0,
                          "lost": 0, "cancelled": 0, "handed_back": 0, "engine_failures": 0,
-                         "culprits": 0}
+                         "culprits": 0, "steps": 0}
         self.held = Held(engine, self.keys, self.me, self.writer, self.metrics, self.counters)
         self.quarantine = Quarantine(self)  # engine.step() raised: find the job(s) at fault
         self._stats: dict[str, Any] = {}
@@ -100,8 +101,7 @@ class Worker:
         if not self.reader.ensure_group(wait=True, stop=self.stop_requested):
             log.info("worker %s stopped before Redis answered; it held no jobs", self.me)
             return 0
-        clash = name_in_use(self.conn, self.keys.worker(self.cfg.served_model_name, self.me),
-                            self.me)
+        clash = name_in_use(self.conn, self.wkeys.heartbeat, self.me)
         if clash:
             log.critical("%s", clash)
             return EXIT_NAME_IN_USE
@@ -183,6 +183,7 @@ class Worker:
                 self.quarantine.isolate(exc)
             else:
                 self.held.emit(outputs)
+            self.counters["steps"] += 1  # (the heartbeat's: e.g. how long a job waited)
         elif not reading or self._capacity() == 0:
             time.sleep(0.002)  # nothing to step; wait for the writer to finish what is held
         self.after_step()

@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="writes that end jobs wait (up to 1 s, Redis WAIT) until this many "
                         "replicas hold them, so a failover loses no result a client may have "
                         "read; short acknowledgements are logged (default: 0, no wait)")
+    r.add_argument("--shards", type=int, default=1,
+                   help="spread the model's queue over this many streams (hash tags {m}, "
+                        "{m#1}, ...: on a Redis Cluster, different slots and nodes); producers "
+                        "learn it from Redis; give every worker of the model the same value "
+                        "(default: 1)")
     s = p.add_argument_group("streaming")
     s.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per sequence per tokens event: each sequence's first token is "
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                            limits=limits, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host,
                            stream_interval=args.stream_interval, writer=args.writer,
-                           min_replicas=args.min_replicas)
+                           min_replicas=args.min_replicas, shards=args.shards)
     except ValueError as exc:
         print(f"genq worker: {exc}", file=sys.stderr)
         return 2

@@ -169,10 +169,10 @@ class MetricsServer:
 class WorkerMetrics(Collector):
     """Every metric the worker exports; the loop calls the instruments (memory only)."""
 
-    def __init__(self, model: str, worker: str, jobs_key: str, group: str) -> None:
+    def __init__(self, model: str, worker: str, jobs_keys: list[str], group: str) -> None:
         self.registry = r = CollectorRegistry()
         self.labels = labels = {"model": model, "worker": worker}
-        self.jobs_key = jobs_key
+        self.jobs_keys = jobs_keys  # the model's priority lanes: the queue gauges sum them
         self.group = group
 
         def gauge(name: str, help_text: str) -> Any:
@@ -250,15 +250,19 @@ class WorkerMetrics(Collector):
             self.tokens_per_s.set((tokens - self._rate_tokens) / (now - self._rate_at))
         self._rate_at, self._rate_tokens = now, tokens
         pipe = conn.pipeline(transaction=False)
-        pipe.xlen(self.jobs_key)
-        pipe.xinfo_groups(self.jobs_key)
-        length, groups = pipe.execute(raise_on_error=False)
-        if isinstance(length, Exception) or isinstance(groups, Exception):
-            return  # no stream yet (or it expired): leave the last sample
-        for g in groups:
-            name = g.get("name")
-            if (name.decode() if isinstance(name, bytes) else name) != self.group:
-                continue
-            pending = int(g.get("pending") or 0)
-            self.queue_lag.set(waiting_entries(g.get("lag"), pending, int(length)))
-            self.queue_pending.set(pending)
+        for key in self.jobs_keys:
+            pipe.xlen(key)
+            pipe.xinfo_groups(key)
+        replies = pipe.execute(raise_on_error=False)
+        lag = pending = 0
+        for length, groups in zip(replies[::2], replies[1::2], strict=True):
+            if isinstance(length, Exception) or isinstance(groups, Exception):
+                continue  # no stream yet (or it expired)
+            for g in groups:
+                name = g.get("name")
+                if (name.decode() if isinstance(name, bytes) else name) == self.group:
+                    held = int(g.get("pending") or 0)
+                    lag += waiting_entries(g.get("lag"), held, int(length))
+                    pending += held
+        self.queue_lag.set(lag)
+        self.queue_pending.set(pending)

@@ -246,13 +246,15 @@ return failed
 """
 
 
-def reclaim_call(keys: Keys, model: str, me: str, consumers: list[str], count: int,
-                 include_self: bool) -> tuple[list[str], list[Any]]:
-    """The KEYS and ARGV of RECLAIM_LUA for the consumers seen in `model`'s group."""
+def reclaim_call(keys: Keys, model: str, jobs_key: str, me: str, consumers: list[str],
+                 count: int, include_self: bool, shard: int = 0) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV of RECLAIM_LUA for the consumers seen in the group of `jobs_key`, one
+    of the streams (a priority lane) of `model`'s `shard`: the worker keys are that shard's,
+    in its slot."""
     names = [name for name in consumers if name == me or _valid_name(name)]
-    call_keys = [keys.jobs(model), keys.workers(model)]
+    call_keys = [jobs_key, keys.workers(model, shard)]
     for name in names:
-        call_keys += [keys.worker(model, name), keys.fence(model, name)]
+        call_keys += [keys.worker(model, name, shard), keys.fence(model, name, shard)]
     return call_keys, [keys.group, me, count, "1" if include_self else "0", FENCE_TTL_S, *names]
 
 

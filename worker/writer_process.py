@@ -46,6 +46,7 @@ import msgpack
 from producer.connection import connect
 from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer
+from worker.streams import JobStream
 
 T = TypeVar("T")
 log = logging.getLogger("genq.worker")
@@ -54,12 +55,12 @@ _PIPE_BYTES = 1 << 20  # ~80 steps of 256 jobs' events before a submit would blo
 
 
 class WriterProcess:
-    def __init__(self, redis_url: str, jobs_key: str, dead_key: str, group: str, me: str,
+    def __init__(self, redis_url: str, streams: list[JobStream], group: str, me: str,
                  reply_ttl: int, dead_ttl: int, max_events_per_call: int = 1024,
-                 fence_key: str | None = None, min_replicas: int = 0) -> None:
-        self.config = {"redis_url": redis_url, "jobs_key": jobs_key, "dead_key": dead_key,
+                 min_replicas: int = 0) -> None:
+        self.config = {"redis_url": redis_url, "streams": [list(s) for s in streams],
                        "group": group, "me": me, "reply_ttl": reply_ttl, "dead_ttl": dead_ttl,
-                       "max_events_per_call": max_events_per_call, "fence_key": fence_key,
+                       "max_events_per_call": max_events_per_call,
                        "min_replicas": min_replicas,
                        "log_level": logging.getLogger().getEffectiveLevel()}
         self.lost: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()  # (Writer.lost)
@@ -297,9 +298,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=config["log_level"], stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s(writer): %(message)s")
     conn = connect(config["redis_url"], socket_timeout=10)
-    writer = Writer(conn, config["jobs_key"], config["dead_key"], config["group"], config["me"],
-                    config["reply_ttl"], config["dead_ttl"], config["max_events_per_call"],
-                    config["fence_key"],  # driven from here, not started as a thread
+    writer = Writer(conn, [JobStream(*s) for s in config["streams"]], config["group"],
+                    config["me"], config["reply_ttl"], config["dead_ttl"],
+                    config["max_events_per_call"],  # driven from here, not started as a thread
                     config["min_replicas"])
 
     def send(msg: dict[str, Any]) -> None:

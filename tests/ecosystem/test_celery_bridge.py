@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
+from producer.lanes import lane_key
 from producer.protocol import Keys
 from tests.harness.fleet import RedisServer, WorkerFactory, wait_for, wait_heartbeats
 from tests.harness.oracle import Oracle
@@ -207,7 +208,7 @@ def test_a_task_that_times_out_cancels_its_job_and_gave_it_a_deadline(redis_url:
     finally:
         stop(bridge)
     conn, keys = redis.Redis.from_url(redis_url), Keys()
-    [(_, fields)] = conn.xrange(keys.jobs("nobody-serves-this"))
+    [(_, fields)] = conn.xrange(lane_key(keys, "nobody-serves-this", 2))  # (the low lane)
     spec, _ = decode_job_entry(fields)
     assert spec.id == result.id and spec.deadline is not None and spec.priority == 3
     assert sent < spec.deadline < sent + 1 + 30  # submitted at most 30 s after sending

@@ -168,8 +168,12 @@ def test_a_gateway_that_cannot_reach_redis_says_so_at_start_up(
 
 
 def test_the_priority_extra_field_reaches_the_job(redis_server: RedisServer) -> None:
-    """vLLM's `priority` extra field is the job's priority; out of range it is a 400."""
+    """vLLM's `priority` extra field is the job's priority (and lane); out of range it is a
+    400."""
+    from producer.lanes import lane_key
     from producer.protocol import decode_job_entry
+
+    high = lane_key(KEYS, "tiny", 1)
 
     held_job(redis_server, "J")
     conn = redis_server.client()
@@ -184,12 +188,13 @@ def test_the_priority_extra_field_reaches_the_job(redis_server: RedisServer) -> 
                 "/v1/completions", json={**BODY, "stream": False, "priority": -7},
                 headers={"Genq-Job-Id": "urgent"}))
             for _ in range(1200):
-                if conn.xlen(JOBS) == 2:
+                if conn.xlen(high) == 1:
                     break
                 await asyncio.sleep(0.05)
             waiting.cancel()
         await app.state.gateway.redis.close()
 
     asyncio.run(scenario())
-    spec, _ = decode_job_entry(conn.xrange(JOBS)[-1][1])
+    [(_, fields)] = conn.xrange(high)
+    spec, _ = decode_job_entry(fields)
     assert (spec.id, spec.priority) == ("urgent", -7)

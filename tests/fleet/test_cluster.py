@@ -19,6 +19,7 @@ from producer.client import ClientSettings, make_job_spec
 from producer.connection import connect, parse
 from producer.errors import JobError
 from producer.flags import redis_url
+from producer.lanes import lane_keys
 from producer.protocol import Keys, new_job_id
 from producer.results import _slot_chunks
 from tests.harness.clusters import RedisClusterSet
@@ -55,13 +56,15 @@ def test_every_script_calls_keys_map_to_one_slot() -> None:
         assert all(one_slot(k) for k in submit)
         worker = Keys("app", model)  # (a worker's: the model it serves)
         events = [worker.jobs(model), worker.fence(model, "w1"), *map(worker.reply, ids)]
+        read = lane_keys(worker, model)  # (the reader's script reads the lanes in one call)
         finishes = [FinishWrite(f"1-{i}", 1, worker.reply(j), b"e", idem_key=worker.idem(j))
                     for i, j in enumerate(ids)]
         finish = finish_keys(finishes, worker.jobs(model), worker.dead(model))
-        reclaim, _ = reclaim_call(worker, model, "w1", ["w1", "gone", "bad name"], 5, True)
+        reclaim, _ = reclaim_call(worker, model, worker.jobs(model), "w1",
+                                  ["w1", "gone", "bad name"], 5, True)
         cancel = [keys.cancel(j, model) for j in ids] + [keys.cancel_channel(model)]
         heartbeats = [keys.workers(model), keys.worker(model, "w1"), keys.worker(model, "w2")]
-        for call in (events, finish, reclaim, cancel, heartbeats):
+        for call in (events, finish, reclaim, cancel, heartbeats, read):
             assert one_slot(call + [keys.jobs(model)]), call
         assert len(reclaim) == 2 + 2 * 2  # (a name no worker could have is left out)
     replies = [keys.reply(new_job_id(m)) for m in ("a", "b", "a", "c", "b")]
@@ -126,8 +129,9 @@ def test_submit_stream_resubmit_results_and_status_on_a_cluster(
     conn = connect(nodes.url)
     keys = Keys()
     assert [(w["name"], w["model"]) for w in worker_rows(conn, keys)] == [("c1", "tiny")]
-    assert [(q["model"], q["length"], q["pending"], q["consumers"])
-            for q in queue_rows(conn, keys)] == [("tiny", 0, 0, 1)]
+    assert [(q["model"], q["lane"], q["length"], q["pending"], q["consumers"])
+            for q in queue_rows(conn, keys)] == [("tiny", lane, 0, 0, 1)
+                                                 for lane in ("default", "high", "low")]
     raw = reply_events(nodes, "mine-1")  # type: ignore[arg-type]
     assert [e["type"] for e in raw].count("started") == 1
 

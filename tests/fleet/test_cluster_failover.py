@@ -13,7 +13,7 @@ import pytest
 
 from producer import Client, Job
 from producer.connection import ClusterNodeError, connect
-from producer.protocol import Keys
+from producer.protocol import Keys, job_shard
 from tests.harness.clusters import ClusterNodeServer, RedisClusterSet
 from tests.harness.fleet import (
     Expected,
@@ -101,6 +101,30 @@ def test_two_models_live_on_two_nodes_and_both_serve(fleet: Fleet, offline: Orac
     want = offline(prompts, params)
     assert [[o["token_ids"] for o in r["outputs"]] for r in results] == \
         [[seq[0] for seq in w] for w in want]
+
+
+def test_a_sharded_model_spreads_over_the_three_masters(fleet: Fleet, tiny_llama: Path,
+                                                        offline: Oracle) -> None:
+    """--shards 3 for a model whose three shards' slots three different masters hold: its jobs
+    go to all three, and each completes once with the offline tokens."""
+    model = next(m for m in (f"hot-{k}" for k in range(200))
+                 if len({fleet.nodes.owner(KEYS.jobs(m, s)).port for s in range(3)}) == 3)
+    worker = fleet.factory.start(fleet.nodes.url, tiny_llama, "w-hot", "--shards", "3",
+                                 served_name=model)
+    wait_heartbeats(fleet.nodes, [worker])  # type: ignore[arg-type]
+    prompts = corpus(12, seed=33)
+    params = {"temperature": 0, "max_tokens": 8}
+    with Client(fleet.nodes.url) as client:
+        jobs = client.submit_many(prompts, params, model=model)
+        results = client.results(jobs, timeout=120)
+    assert sorted({job_shard(j.id) for j in jobs}) == [0, 1, 2]
+    want = offline(prompts, params)
+    assert [[o["token_ids"] for o in r["outputs"]] for r in results] == \
+        [[seq[0] for seq in w] for w in want]
+    for job in jobs:
+        raw = reply_events(fleet.nodes, job.id, model)  # type: ignore[arg-type]
+        assert [e["type"] for e in raw].count("started") == 1, job.id
+    worker.terminate()
 
 
 def test_a_plain_url_at_a_cluster_node_names_the_cluster_url(fleet: Fleet) -> None:

@@ -215,7 +215,7 @@ def families(text: str) -> dict[str, list[str]]:
 
 
 def test_rendering_is_the_text_format_exactly() -> None:
-    metrics = WorkerMetrics('a"b\\c\nd', "w", "genq:jobs:tiny", "genq")
+    metrics = WorkerMetrics('a"b\\c\nd', "w", ["genq:jobs:tiny"], "genq")
     metrics.read_stats_from(lambda: ({"num_running": 2, "kv_usage": 0.25, "num_swap_outs": 3},
                                      1))
     metrics.jobs_finished.inc(2, outcome="done")
@@ -275,7 +275,7 @@ def test_a_taken_metrics_port_stops_the_worker_with_one_line_before_it_loads_the
 
 
 def test_observe_many_counts_as_that_many_observations() -> None:
-    one, many = (WorkerMetrics("tiny", "metered", "genq:jobs:tiny", "genq") for _ in range(2))
+    one, many = (WorkerMetrics("tiny", "metered", ["genq:jobs:tiny"], "genq") for _ in range(2))
     for value, times in ((0.0005, 3), (0.05, 256), (0.5, 1)):
         for _ in range(times):
             one.itl.observe(value)

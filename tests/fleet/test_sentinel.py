@@ -157,7 +157,7 @@ def test_kill_9_of_the_primary_with_min_replicas_loses_no_submitted_job(
 def test_the_heartbeat_stops_cleanly_on_a_demoted_node(sentinels: SentinelSet) -> None:
     replica = sentinels.nodes[1].client()
     beat = Heartbeat(replica, "genq:worker:x", ttl=2.0, interval=0.05, info=lambda: {},
-                     jobs_key="genq:jobs:tiny", stream_ttl=60)
+                     jobs_keys=["genq:jobs:tiny"], stream_ttl=60)
     beat.start()
     beat.stop(delete=True)  # READONLY on its last DELETE: the key expires on its own
     assert not beat.is_alive()

@@ -395,7 +395,8 @@ def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProc
     bad = genq("submit", "x", "--model", "tiny", "--job-id", "a b", "--redis", server.url)
     assert bad.returncode == 2 and "job id" in bad.stderr
     status = json.loads(genq("status", "--json", "--redis", server.url).stdout)
-    assert [(q["model"], q["consumers"]) for q in status["queues"]] == [("tiny", 1)]
+    assert [(q["model"], q["lane"], q["consumers"]) for q in status["queues"]] == [
+        ("tiny", "default", 1), ("tiny", "high", 1), ("tiny", "low", 1)]
     assert [(w["name"], w["model"], w["capacity"], w["prefix_hits"])
             for w in status["workers"]] == [("solo", "tiny", 4, "off")]
     table = genq("status", "--redis", server.url).stdout
@@ -416,7 +417,7 @@ def test_genq_submit_and_status_commands(server: RedisServer, worker: WorkerProc
     assert server.client().exists(KEYS.cancel("lost-1", "nobody")) == 1
     status = json.loads(genq("status", "--json", "--redis", server.url).stdout)
     assert [(q["model"], q["length"], q["lag"], q["consumers"]) for q in status["queues"]] == [
-        ("nobody", 1, 1, 0), ("tiny", 0, 0, 1)]
+        ("nobody", 1, 1, 0), *[("tiny", 0, 0, 1)] * 3]
 
 
 def test_genq_bench_times_round_trips_and_says_why_jobs_failed(

@@ -119,7 +119,8 @@ def test_status_counts_only_consumers_whose_worker_is_alive(redis_server: RedisS
     conn.set(keys.worker("m", "alive"), b"x", ex=60)
     conn.xadd(keys.jobs("m"), {"v": "2", "job": "x"})
     [row] = queue_rows(conn, keys)
-    assert row == {"model": "m", "length": 1, "lag": 1, "pending": 0, "dead": 0, "consumers": 1}
+    assert row == {"model": "m", "shard": 0, "lane": "default", "length": 1, "lag": 1, "pending": 0,
+                   "dead": 0, "consumers": 1}
 
 
 @pytest.mark.parametrize("given,expected", [(None, "false"), ("true", "true")])

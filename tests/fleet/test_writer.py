@@ -11,7 +11,7 @@ import redis
 from producer.events import encode_event, error_event, started_event, tokens_event
 from producer.protocol import as_str
 from tests.harness.fleet import RedisServer
-from tests.harness.writer import JOBS, KEYS, events_of, setup_group
+from tests.harness.writer import FENCED, JOBS, KEYS, STREAMS, events_of, setup_group
 from worker.batch import Batch, EventWrite, FinishWrite, coalesce, finish_args, finish_keys
 from worker.io_thread import Writer
 from worker.scripts import DEAD_LETTER_MAXLEN, FENCE_TTL_S, Scripts, reclaim_call
@@ -42,7 +42,7 @@ def test_writes_to_an_entry_another_worker_claimed_are_refused(redis_server: Red
     mine, stolen = setup_group(redis_server, "me", 2)
     conn = redis_server.client()
     conn.xclaim(JOBS, "workers", "thief", 0, [stolen])
-    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer = Writer(conn, STREAMS, "workers", "me", reply_ttl=60, dead_ttl=60)
     writer.start()
     writer.submit(Batch(events=[EventWrite(mine, 1, KEYS.reply("j0"), [started_event(1, "me")]),
                                 EventWrite(stolen, 1, KEYS.reply("j1"),
@@ -69,7 +69,7 @@ def test_a_reply_key_that_is_not_a_stream_fails_only_its_own_job(
     entries = setup_group(redis_server, "me", 3)
     conn = redis_server.client()
     conn.set(KEYS.reply("j1"), "not a stream")
-    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer = Writer(conn, STREAMS, "workers", "me", reply_ttl=60, dead_ttl=60)
     caplog.set_level(logging.WARNING, logger="genq.worker")
     for pos in range(3):
         writer.write_batches([Batch(events=[
@@ -128,13 +128,12 @@ def test_reclaim_takes_only_entries_of_workers_without_a_heartbeat(
 
 def reclaim(conn: redis.Redis, me: str, include_self: bool = False) -> list[list[object]]:
     consumers = [as_str(c["name"]) for c in conn.xinfo_consumers(JOBS, "workers")]
-    keys, args = reclaim_call(KEYS, "m", me, consumers, 10, include_self)
+    keys, args = reclaim_call(KEYS, "m", KEYS.jobs("m"), me, consumers, 10, include_self)
     return Scripts(conn).reclaim(keys=keys, args=args)  # type: ignore[no-any-return]
 
 
 def fenced_writer(conn: redis.Redis) -> Writer:
-    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60,
-                    fence_key=KEYS.fence("m", "me"))
+    writer = Writer(conn, FENCED, "workers", "me", reply_ttl=60, dead_ttl=60)
     writer.start()
     return writer
 
@@ -153,13 +152,13 @@ def test_a_claim_by_the_reclaim_script_stops_the_next_token_write(
     conn = redis_server.client()
     writer = fenced_writer(conn)
     write_tokens(writer, entry, 0)  # the first write checks, and learns the counter (none: 0)
-    assert writer._fence_seen == "0"
+    assert writer.fences[0].seen == "0"
     write_tokens(writer, entry, 1)
     assert writer.lost.empty()
     assert [c[0].decode() for c in reclaim(conn, "thief")] == [entry]  # "me" has no heartbeat
     write_tokens(writer, entry, 2)
     assert writer.lost.get_nowait() == (entry, 1)
-    assert writer._fence_seen == "1"
+    assert writer.fences[0].seen == "1"
     # Events the loop queued before it heard of the loss: this write skips the check (the
     # counter stands still again), and the writer itself drops them.
     write_tokens(writer, entry, 3)
@@ -193,7 +192,7 @@ def test_a_claim_the_counter_missed_is_caught_by_the_periodic_full_check(
     conn.xclaim(JOBS, "workers", "thief", 0, [entry])
     write_tokens(writer, entry, 1)  # not checked: lands (the client drops a stale attempt's)
     assert writer.lost.empty()
-    writer._fence_checked_at -= 2.0  # a second later
+    writer.fences[0].checked_at -= 2.0  # a second later
     write_tokens(writer, entry, 2)
     writer.stop()
     assert writer.lost.get_nowait() == (entry, 1)
@@ -205,7 +204,7 @@ def test_reply_ttl_is_set_on_the_first_events_and_then_only_now_and_then(
     (entry,) = setup_group(redis_server, "me", 1)
     conn = redis_server.client()
     reply = KEYS.reply("j0")
-    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer = Writer(conn, STREAMS, "workers", "me", reply_ttl=60, dead_ttl=60)
     writer.start()
 
     def write(pos: int) -> None:
@@ -243,7 +242,7 @@ def test_a_second_finish_of_one_entry_in_the_same_call_writes_nothing(
 def test_writes_go_on_after_redis_forgets_the_scripts(redis_server: RedisServer) -> None:
     (entry,) = setup_group(redis_server, "me", 1)
     conn = redis_server.client()
-    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer = Writer(conn, STREAMS, "workers", "me", reply_ttl=60, dead_ttl=60)
     writer.start()
     for pos in range(3):
         if pos == 1:
@@ -267,8 +266,7 @@ def test_nothing_is_written_after_an_attempts_terminal_event(redis_server: Redis
     (entry,) = setup_group(redis_server, "me", 1)
     conn = redis_server.client()
     reply = KEYS.reply("j0")
-    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60,
-                    fence_key=KEYS.fence("m", "me"))
+    writer = Writer(conn, FENCED, "workers", "me", reply_ttl=60, dead_ttl=60)
     fin = FinishWrite(entry, 1, reply, encode_event(error_event(1, "x", "end")))
     late = [Batch(events=[EventWrite(entry, 1, reply, [tokens_event(1, 0, pos, [5], "x")])])
             for pos in (1, 2)]
@@ -316,7 +314,7 @@ def test_after_a_claim_an_entry_the_first_write_did_not_carry_is_checked_at_its_
 
 def test_gone_attempts_are_forgotten_ten_seconds_after_their_last_mark() -> None:
     # (no Redis call: the bookkeeping alone, on a writer that never starts)
-    writer = Writer(redis.Redis(), JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    writer = Writer(redis.Redis(), STREAMS, "workers", "me", 60, 60)
     writer._mark_gone("1-0", 1, now=100.0)
     writer._mark_gone("2-0", 1, now=101.0)
     writer._mark_gone("1-0", 2, now=102.0)  # the same entry, a later attempt
@@ -345,7 +343,7 @@ def test_the_dead_letter_stream_keeps_about_the_newest_ten_thousand(
     pipe.execute()
     got = conn.xreadgroup("workers", "me", {JOBS: ">"}, count=count)
     entry_ids = [eid.decode() for eid, _ in got[0][1]]
-    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    writer = Writer(conn, STREAMS, "workers", "me", 60, 60)
     for lo in range(0, count, 1000):
         writer.write_batches([Batch(finishes=[
             FinishWrite(eid, 1, None, None, dead_fields=["reason", "bad", "entry", eid])
@@ -371,7 +369,7 @@ def test_a_write_refused_for_good_counts_a_failed_attempt_of_its_job_only(
     admin.execute_command("ACL", "SETUSER", "narrow", "on", ">pw", "resetkeys", "~genq:jobs:*",
                           "~genq:dead:*", "~genq:idem:*", "~genq:reply:{m}:j0", "+@all")
     conn = redis.Redis(port=redis_server.port, username="narrow", password="pw", protocol=2)
-    writer = Writer(conn, JOBS, KEYS.dead("m"), "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer = Writer(conn, STREAMS, "workers", "me", reply_ttl=60, dead_ttl=60)
     writer.start()
     writer.submit(Batch(events=[
         EventWrite(first, 1, KEYS.reply("j0"), [started_event(1, "me")]),

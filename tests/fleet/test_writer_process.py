@@ -14,7 +14,7 @@ import pytest
 from producer.events import encode_event, error_event, started_event, tokens_event
 from producer.protocol import Keys
 from tests.harness.fleet import REPO, RedisServer, wait_for
-from tests.harness.writer import JOBS, events_of, setup_group
+from tests.harness.writer import JOBS, STREAMS, events_of, setup_group
 from worker.batch import Batch, EventWrite, FinishWrite
 from worker.io_thread import Writer
 from worker.writer_process import Frames, WriterProcess
@@ -35,7 +35,7 @@ def test_writes_fencing_and_feedback_are_the_threads(redis_server: RedisServer,
     mine, stolen = setup_group(redis_server, "me", 2)
     conn = redis_server.client()
     conn.xclaim(JOBS, "workers", "thief", 0, [stolen])
-    args = (JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    args = (STREAMS, "workers", "me", 60, 60)
     writer = WriterProcess(redis_server.url, *args) if kind == "process" else Writer(conn, *args)
     writer.start()
     writer.submit(Batch(events=[EventWrite(mine, 1, KEYS.reply("j0"), [started_event(1, "me")]),
@@ -65,7 +65,7 @@ def test_writes_fencing_and_feedback_are_the_threads(redis_server: RedisServer,
 
 def test_a_writer_process_that_dies_is_the_workers_error(redis_server: RedisServer) -> None:
     (entry,) = setup_group(redis_server, "me", 1)
-    writer = WriterProcess(redis_server.url, JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    writer = WriterProcess(redis_server.url, STREAMS, "workers", "me", 60, 60)
     writer.start()
     assert writer._proc is not None
     writer._proc.kill()
@@ -85,9 +85,10 @@ def test_the_writer_process_ends_with_its_worker(redis_server: RedisServer) -> N
     """kill -9 of the worker: the child gets SIGKILL too (PR_SET_PDEATHSIG), so nothing writes
     on for a worker that is gone."""
     code = ("import os\n"
+            "from worker.streams import JobStream\n"
             "from worker.writer_process import WriterProcess\n"
-            f"w = WriterProcess({redis_server.url!r}, 'genq:jobs:m', 'genq:dead:m', 'workers', "
-            "'me', 60, 60)\n"
+            f"w = WriterProcess({redis_server.url!r}, [JobStream('genq:jobs:m', 'genq:dead:m', "
+            "None)], 'workers', 'me', 60, 60)\n"
             "w.start()\n"
             "print(w._proc.pid, flush=True)\n"
             "os.kill(os.getpid(), 9)\n")
@@ -128,7 +129,7 @@ def test_submits_never_deadlock_on_feedback_the_loop_has_not_read(
     import threading
 
     setup_group(redis_server, "me", 1)
-    writer = WriterProcess(redis_server.url, JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    writer = WriterProcess(redis_server.url, STREAMS, "workers", "me", 60, 60)
     writer.start()
     event = encode_event(error_event(1, "x", "y" * 4000))
     ids = [[f"{b}-{i}" for i in range(100)] for b in range(150)]
@@ -156,7 +157,7 @@ def test_a_stop_while_redis_is_down_is_bounded_by_the_flush_timeout(
     import time
 
     setup_group(redis_server, "me", 1)
-    writer = WriterProcess(redis_server.url, JOBS, KEYS.dead("m"), "workers", "me", 60, 60)
+    writer = WriterProcess(redis_server.url, STREAMS, "workers", "me", 60, 60)
     writer.start()
     redis_server.kill()
     writer.submit(Batch(events=[EventWrite("1-1", 1, KEYS.reply("j"),

@@ -41,14 +41,15 @@ PASSWORDS = {"genq-worker": "worker-secret", "genq-producer": "producer-secret",
 _SUBMIT = "(~genq:jobs:* ~genq:idem:* +evalsha +xadd +set +expire)"
 # Client.results' last-entry script; EXISTS: whether an unread result expired (reply_expired)
 RESULTS_SELECTOR = "(~genq:reply:* +evalsha +xrevrange +exists)"
-ENDED_SELECTOR = "(%R~genq:idem:* +get +mget)"  # a job's ended mark (producer.results)
+# a job's ended mark (producer.results); a sharded model's shard count (producer/shards.py)
+ENDED_SELECTOR = "(%R~genq:idem:* %R~genq:shards:* +get +mget)"
 BATCH_SELECTOR = ("(~genq:batch* ~genq:file:* +hset +hget +hmget +hexists +hsetnx +zadd "
                   "+zrevrange +zrem +sadd +srem +smembers +get +set +del +exists +expire)")
 ACL_RULES: dict[str, tuple[str, ...]] = {
     "genq-worker": (
         "resetkeys", "~genq:jobs:*", "~genq:reply:*", "~genq:dead:*", "~genq:worker:*",
-        "~genq:fence:*", "%R~genq:cancel:*", "~genq:idem:*", "resetchannels", "&genq:cancel:*",
-        "-@all",
+        "~genq:fence:*", "~genq:shards:*", "%R~genq:cancel:*", "~genq:idem:*", "resetchannels",
+        "&genq:cancel:*", "-@all",
         "+xreadgroup", "+xack", "+xdel", "+xadd", "+xclaim", "+xpending", "+xinfo|consumers",
         "+xgroup|create", "+xgroup|delconsumer", "+evalsha", "+script|load", "+script|exists",
         "+set", "+get", "+incr", "+exists", "+expire", "+del", "+sadd", "+srem", "+ssubscribe"),

@@ -8,9 +8,12 @@ import msgpack
 from producer.events import decode_event
 from producer.protocol import REPLY_FIELD, Keys
 from tests.harness.fleet import RedisServer
+from worker.streams import JobStream
 
 KEYS = Keys(model="m")  # (the jobs of the replies here: model m's)
 JOBS = KEYS.jobs("m")
+STREAMS = [JobStream(JOBS, KEYS.dead("m"), None)]  # a writer that checks every write
+FENCED = [JobStream(JOBS, KEYS.dead("m"), KEYS.fence("m", "me"))]
 
 
 def setup_group(server: RedisServer, consumer: str, count: int) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 
 from producer.events import decode_event
+from producer.lanes import lane_keys
 from producer.protocol import REPLY_FIELD, Keys
 from tests.harness.fleet import WorkerProcess, wait_for
 from tests.harness.oracle import Oracle
@@ -117,6 +118,7 @@ def test_hostile_ids_never_lead_the_worker_outside_its_keys(
     assert conn.xlen(KEYS.dead("other")) == 0 and conn.xlen(KEYS.jobs("other")) == 0
     after = all_keys(conn)
     assert {k for k in after if not k.startswith(("genq:reply:", "genq:idem:"))} == {
-        JOBS_KEY, DEAD_KEY, KEYS.worker("tiny", worker.name), KEYS.workers("tiny"), KEYS.models}
+        *lane_keys(KEYS, "tiny"), DEAD_KEY, KEYS.worker("tiny", worker.name),
+        KEYS.workers("tiny"), KEYS.models}
     assert [k for k in after if conn.ttl(k) < 0] == []
     assert list(conn.info("keyspace")) == ["db0"]
