@@ -116,10 +116,11 @@ def test_sigterm_while_redis_is_down_stops_within_the_drain_and_loses_nothing(
         redis_server: RedisServer, workers: WorkerFactory, long_llama: Path,
         oracle_of: OracleOf) -> None:
     """With Redis down the writer falls behind and the loop waits for it; a stop request ends
-    that wait: the worker drains for --drain-timeout, gives the final flush its 15 s and exits.
-    Its unacked jobs are still pending under its name: its next run re-reads them."""
+    that wait: the worker drains for --drain-timeout, gives the final flush its --flush-timeout
+    and exits. Its unacked jobs are still pending under its name: its next run re-reads them."""
 
-    first = workers.start(redis_server.url, long_llama, "w1", "--drain-timeout", "1")
+    first = workers.start(redis_server.url, long_llama, "w1", "--drain-timeout", "1",
+                          "--flush-timeout", "2")
     wait_heartbeats(redis_server, [first])
     prompts = corpus(3, seed=13)
     params = {"temperature": 0, "max_tokens": 1500, "ignore_eos": True}
@@ -132,6 +133,7 @@ def test_sigterm_while_redis_is_down_stops_within_the_drain_and_loses_nothing(
     # It exits cleanly while Redis is still down: the drain and the final flush bound its wait,
     # not Redis coming back (the cap only bounds a failure; Redis starts again only after).
     assert first.terminate(timeout=120) == 0
+    assert "Redis did not take the last writes within 2 s" in first.output()
     redis_server.start()
     again = workers.start(redis_server.url, long_llama, "w1")
     results = [job.result(timeout=300) for job in jobs]
