@@ -36,8 +36,7 @@ def test_deltas_add_up_to_the_cumulative_outputs(tiny_llama):
                                           swap_space=0.01)), prompts,
                       _PARAMS)
     delta = _run(Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
-                                     swap_space=0.01,
-                                     output_kind="delta")), prompts, _PARAMS)
+                                     swap_space=0.01, output_kind="delta")), prompts, _PARAMS)
     assert sorted(delta) == sorted(cumulative) == [str(i) for i in range(len(_PARAMS))]
     for request_id, outs in delta.items():
         final = cumulative[request_id][-1]
@@ -139,8 +138,7 @@ def test_plain_greedy_batches_skip_the_sampler_and_match_the_general_path(tiny_l
     runs = {}
     for name, extra in (("greedy only", []), ("with a sampled request", [sampled])):
         engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
-                                     swap_space=0.01,
-                                     output_kind="delta"))
+                                     swap_space=0.01, output_kind="delta"))
         counting = _CountingSampler(engine.step_sampler.sampler)
         engine.step_sampler.sampler = counting
         seen = _run(engine, prompts + ["a sampled one"] * len(extra), greedy + extra)

@@ -133,8 +133,7 @@ def test_include_stop_str_in_output_shows_the_stop_token_or_eos_text(eos_llama, 
     assert hf[-1] == EOS_ID and len(hf) < 8  # the model stops on EOS after min_tokens
     text = AutoTokenizer.from_pretrained(str(eos_llama)).decode(hf if include else hf[:-1])
     engine = Engine(EngineConfig(model=str(eos_llama), kv_cache_memory=KV_CACHE_MEMORY,
-                                 stream_text=stream_text,
-                                 swap_space=0.01))
+                                 stream_text=stream_text, swap_space=0.01))
     common = dict(temperature=0, max_tokens=8, min_tokens=2, include_stop_str_in_output=include)
     engine.add_request("eos", prompt, SamplingParams(**common))
     engine.add_request("token", prompt, SamplingParams(**common, ignore_eos=True,

@@ -33,8 +33,7 @@ def test_one_batch_matches_transformers(arch, budget, model_dirs, oracle, make_l
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_requests_joining_a_running_batch_match_transformers(arch, model_dirs, oracle):
     engine = Engine(EngineConfig(model=str(model_dirs[arch]), kv_cache_memory=KV_CACHE_MEMORY,
-                                 block_size=8,
-                                 max_num_batched_tokens=24, swap_space=0.01))
+                                 block_size=8, max_num_batched_tokens=24, swap_space=0.01))
     results: dict[str, list[int]] = {}
     pending = list(enumerate(PROMPTS))
     steps = 0

@@ -123,8 +123,7 @@ def new_tokens(steps, request_id: str) -> list[int]:
 
 def test_a_second_request_computes_only_its_uncached_tokens(tiny_llama):
     engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
-                                 block_size=8, swap_space=0.01,
-                                 enable_prefix_caching=True))
+                                 block_size=8, swap_space=0.01, enable_prefix_caching=True))
     steps = record_steps(engine)
     a = PREFIX[:20] + tokens(5, 5)  # 25 tokens: 3 full blocks cached once computed
     b = PREFIX[:20] + tokens(7, 6)  # its third block differs from a's: 2 blocks hit
@@ -155,8 +154,7 @@ def admission(steps, request_id: str):
 
 def test_a_wholly_cached_prompt_writes_its_last_token_into_a_copy(tiny_llama):
     engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
-                                 block_size=8, swap_space=0.01,
-                                 enable_prefix_caching=True))
+                                 block_size=8, swap_space=0.01, enable_prefix_caching=True))
     steps = record_steps(engine)
     prompt = PREFIX[:16]
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
