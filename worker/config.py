@@ -24,6 +24,7 @@ class WorkerConfig:
     dead_ttl: int = 7 * 24 * 3600  # dead-letter stream TTL, refreshed on each dead letter
     stream_ttl: int = 7 * 24 * 3600  # job stream TTL, refreshed by heartbeats and submits
     drain_timeout: float = 30.0  # SIGTERM: seconds to finish in-flight work before handing back
+    flush_timeout: float = 15.0  # then seconds for Redis to take the last writes before exiting
     block_ms: int = 500  # XREADGROUP BLOCK when idle
     cancel_poll_interval: float = 1.0  # seconds between cancel-key sweeps (pub/sub can miss)
     limits: Limits = field(default_factory=Limits)
@@ -50,6 +51,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be at least 1 second, got {getattr(self, name)}")
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        if self.flush_timeout < 0:
+            raise ValueError(f"--flush-timeout must be >= 0, got {self.flush_timeout}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0 (off) or a TCP port, got "
                              f"{self.metrics_port}")

@@ -40,7 +40,6 @@ from worker.streams import WorkerKeys
 from worker.writer_process import WriterProcess
 
 log = logging.getLogger("genq.worker")
-_FINAL_FLUSH_S = 15.0
 _BUSY_BLOCK_MS = 2
 EXIT_NAME_IN_USE = 4  # genq worker's exit status when its --name is taken on this host
 
@@ -158,9 +157,10 @@ class Worker:
 
     def _stop_threads(self) -> None:
         """Land what the writer holds, then stop the threads (the heartbeat key goes last)."""
-        if not self.writer.flush(timeout=_FINAL_FLUSH_S):
+        if not self.writer.flush(timeout=self.cfg.flush_timeout):
             log.warning("Redis did not take the last writes within %.0f s; the unacked jobs "
-                        "will be reclaimed once this worker's heartbeat expires", _FINAL_FLUSH_S)
+                        "will be reclaimed once this worker's heartbeat expires",
+                        self.cfg.flush_timeout)
             self.writer.abandon()
         else:
             self.writer.stop()

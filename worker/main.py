@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets running jobs finish before the rest are handed "
                         "back to the queue (default: %(default)s)")
+    r.add_argument("--flush-timeout", type=float, default=15.0,
+                   help="seconds a stopping worker, once drained, waits for Redis to take its "
+                        "last writes (acks, jobs handed back); what it could not write stays "
+                        "pending under its name, for its next run or a reclaim "
+                        "(default: %(default)s)")
     r.add_argument("--min-replicas", type=int, default=0,
                    help="writes that end jobs wait (up to 1 s, Redis WAIT) until this many "
                         "replicas hold them, so a failover loses no result a client may have "
@@ -194,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                            device=args.device, heartbeat_ttl=args.heartbeat_ttl,
                            reclaim_interval=args.reclaim_interval, max_attempts=args.max_attempts,
                            result_ttl=args.result_ttl, drain_timeout=args.drain_timeout,
+                           flush_timeout=args.flush_timeout,
                            limits=limits, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host,
                            stream_interval=args.stream_interval, writer=args.writer,

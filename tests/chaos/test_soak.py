@@ -40,7 +40,10 @@ from tests.harness.oracle import Oracle
 
 T = TypeVar("T")
 SEED = int(os.environ.get("GENQ_CHAOS_SEED", "2024"))  # victims, job mix; printed with figures
-SOAK_S = 100.0  # seconds of submitting under faults
+# Seconds of submitting under faults. Each fault lands mid-run whatever the length: it first
+# waits until all three workers serve and the victim holds jobs, so 40 s (many times the 100 jobs
+# asserted) proves what 100 s did; GENQ_CHAOS_SOAK_S runs a longer soak for the figures in the docs.
+SOAK_S = float(os.environ.get("GENQ_CHAOS_SOAK_S", "40"))
 PRODUCERS = 8  # client threads, each with one job in flight at a time
 STREAM_TIMEOUT_S = 150.0  # one job's stream, however many faults it lives through
 NAMES = ("w1", "w2", "w3")
@@ -49,8 +52,8 @@ NUM_BLOCKS = 256
 WORKER_ARGS = ("--max-num-seqs", "16", "--heartbeat-ttl", str(HEARTBEAT_TTL_S),
                "--reclaim-interval", "0.5", "--result-ttl", "1200", "--max-attempts", "50",
                "--num-gpu-blocks-override", str(NUM_BLOCKS))
-# (seconds into the soak, fault). Every fault first waits until all three workers serve.
-SCHEDULE = ((10.0, "kill"), (30.0, "pause"), (52.0, "redis"), (72.0, "kill"))
+# (fraction of the soak, fault). Every fault first waits until all three workers serve.
+SCHEDULE = ((0.10, "kill"), (0.30, "pause"), (0.52, "redis"), (0.72, "kill"))
 KEYS = Keys()
 JOBS_KEY = KEYS.jobs("tiny")
 GROUP = KEYS.group
@@ -297,7 +300,7 @@ def test_soak_with_faults_loses_and_duplicates_nothing(
         for t in threads:
             t.start()
         for at, fault in SCHEDULE:
-            time.sleep(max(0.0, start + at - time.monotonic()))
+            time.sleep(max(0.0, start + at * SOAK_S - time.monotonic()))
             fleet.wait_serving()
             if fault == "kill":
                 fleet.kill_and_restart(rng.choice(NAMES))

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,6 @@ from tests.harness.gateway import (
     REPO,
     GatewayProcess,
     entry_key,
-    gateway_fleet,
     sse,
 )
 from tests.harness.oracle import OracleOf
@@ -44,10 +43,8 @@ Oracle = Callable[[str, dict[str, Any]], list[tuple[str, str | None, int]]]
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, GatewayProcess]]:
-    with gateway_fleet(tmp_path_factory.mktemp("gateway"), [(MODEL_DIR, "gw-worker", "tiny")],
-                       "--resume-grace", "0.2") as pair:
-        yield pair
+def fleet(demo_fleet: tuple[RedisServer, GatewayProcess]) -> tuple[RedisServer, GatewayProcess]:
+    return demo_fleet
 
 
 @pytest.fixture(scope="module")

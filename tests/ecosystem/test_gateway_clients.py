@@ -6,7 +6,6 @@ model's own template."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import httpx_sse
@@ -14,17 +13,15 @@ import openai
 import pytest
 
 from tests.harness.fleet import RedisServer
-from tests.harness.gateway import MODEL_DIR, GatewayProcess, gateway_fleet
+from tests.harness.gateway import MODEL_DIR, GatewayProcess
 
 PROMPT = "def main("
 BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, GatewayProcess]]:
-    with gateway_fleet(tmp_path_factory.mktemp("gateway-clients"),
-                       [(MODEL_DIR, "gw-clients", "tiny")]) as pair:
-        yield pair
+def fleet(demo_fleet: tuple[RedisServer, GatewayProcess]) -> tuple[RedisServer, GatewayProcess]:
+    return demo_fleet
 
 
 @pytest.fixture(scope="module")

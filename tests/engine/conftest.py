@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from tests.harness.engine import EOS_ID, assert_drained
+from tests.harness.engine import EOS_ID, KV_CACHE_MEMORY, assert_drained
 
 
 @pytest.fixture
@@ -17,6 +17,8 @@ def make_llm():
 
     def make(model_dir: Path, **config) -> LLM:
         config.setdefault("swap_space", 0.05)
+        if "num_gpu_blocks_override" not in config:
+            config.setdefault("kv_cache_memory", KV_CACHE_MEMORY)
         llm = LLM(str(model_dir), **config)
         made.append(llm)
         return llm

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.harness.engine import EOS_ID, assert_drained, hf_greedy, random_prompts
+from tests.harness.engine import EOS_ID, KV_CACHE_MEMORY, assert_drained, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(3, seed=31, lo=5, hi=20)
 
@@ -102,8 +102,8 @@ def test_beam_search_is_unchanged_by_injected_recompute_preemption(model_dirs, o
 
 def test_beam_width_over_the_token_budget_errors_instead_of_hanging(tiny_llama):
     # Four beams decode together, four tokens a step: a 3-token budget never holds them.
-    engine = Engine(EngineConfig(model=str(tiny_llama), max_num_batched_tokens=3,
-                                 swap_space=0.01))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 max_num_batched_tokens=3, swap_space=0.01))
     engine.add_request("beam", [5, 6], _params())
     engine.add_request("greedy", [5, 6], SamplingParams(temperature=0, max_tokens=3,
                                                          ignore_eos=True))

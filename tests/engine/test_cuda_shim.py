@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.cupy_backend import CupyAttentionBackend
-from tests.harness.engine import hf_greedy, random_prompts
+from tests.harness.engine import KV_CACHE_MEMORY, hf_greedy, random_prompts
 from tests.harness.models import build_kernel_llama
 from tests.kernels.cpu_kernels import CountingLauncher
 
@@ -137,7 +137,8 @@ def test_n2_and_beam_search_copy_blocks_and_equal_the_torch_backend(gqa64: Path)
                                                                       use_tqdm=False)]
 
     llm, launched = shim_llm(gqa64)
-    reference = LLM(str(gqa64), attention_backend="torch", block_size=16, swap_space=0.05)
+    reference = LLM(str(gqa64), kv_cache_memory=KV_CACHE_MEMORY,
+                    attention_backend="torch", block_size=16, swap_space=0.05)
     assert outputs(llm) == outputs(reference)
     assert launched.counts["copy_blocks_kernel"] > 0
 
@@ -147,7 +148,8 @@ def test_bf16_log_probabilities_stay_close_to_the_torch_backend(gqa64: Path) -> 
     prompts = PROMPTS
     runs = []
     for backend in ("cuda-shim", "torch"):
-        llm = LLM(str(gqa64), attention_backend=backend, dtype="bfloat16", block_size=16,
+        llm = LLM(str(gqa64), kv_cache_memory=KV_CACHE_MEMORY,
+                  attention_backend=backend, dtype="bfloat16", block_size=16,
                   max_num_batched_tokens=32, swap_space=0.05)
         runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
     for shim, ref in zip(*runs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.outputs import RequestOutput
-from tests.harness.engine import assert_drained, random_prompts
+from tests.harness.engine import KV_CACHE_MEMORY, assert_drained, random_prompts
 
 _PARAMS = [
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
@@ -32,10 +32,11 @@ def _run(engine: Engine, prompts: list, params: list[SamplingParams]) -> dict[st
 
 def test_deltas_add_up_to_the_cumulative_outputs(tiny_llama):
     prompts = random_prompts(len(_PARAMS), seed=31)
-    cumulative = _run(Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01)), prompts,
+    cumulative = _run(Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                          swap_space=0.01)), prompts,
                       _PARAMS)
-    delta = _run(Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01,
-                                     output_kind="delta")), prompts, _PARAMS)
+    delta = _run(Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                     swap_space=0.01, output_kind="delta")), prompts, _PARAMS)
     assert sorted(delta) == sorted(cumulative) == [str(i) for i in range(len(_PARAMS))]
     for request_id, outs in delta.items():
         final = cumulative[request_id][-1]
@@ -83,14 +84,16 @@ def _stop_across_tokens(engine: Engine, tokens: list[int], text: str) -> tuple[s
 def test_text_a_stop_string_may_still_cut_is_held_back(tiny_llama):
     prompt = random_prompts(1, seed=12)[0]
     free = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
-    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 swap_space=0.01))
     full = _run(engine, [prompt], [free])["0"][-1].outputs[0]
     stop, _ = _stop_across_tokens(engine, full.token_ids, full.text)
     expected = full.text[:full.text.find(stop)]
     stopped = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, stop=[stop])
     streams = {}
     for kind in ("cumulative", "delta"):
-        engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01, output_kind=kind))
+        engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                     swap_space=0.01, output_kind=kind))
         outs = _run(engine, [prompt], [stopped])["0"]
         texts, so_far = [], ""
         for out in outs:
@@ -134,8 +137,8 @@ def test_plain_greedy_batches_skip_the_sampler_and_match_the_general_path(tiny_l
     sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True)
     runs = {}
     for name, extra in (("greedy only", []), ("with a sampled request", [sampled])):
-        engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01,
-                                     output_kind="delta"))
+        engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                     swap_space=0.01, output_kind="delta"))
         counting = _CountingSampler(engine.step_sampler.sampler)
         engine.step_sampler.sampler = counting
         seen = _run(engine, prompts + ["a sampled one"] * len(extra), greedy + extra)
@@ -156,7 +159,8 @@ def test_plain_greedy_batches_skip_the_sampler_and_match_the_general_path(tiny_l
 
 
 def test_request_metrics_are_read_from_the_request(tiny_llama):
-    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01, output_kind="delta"))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 swap_space=0.01, output_kind="delta"))
     engine.add_request("m", "the quick brown fox", SamplingParams(temperature=0, max_tokens=5,
                                                                   ignore_eos=True))
     outs = []

@@ -8,7 +8,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.detokenizer import decode_delta, init_offsets
 from engine.sequence import Sequence
 from engine.tokenizer import fast_decoder
-from tests.harness.engine import EOS_ID, assert_drained, random_prompts
+from tests.harness.engine import EOS_ID, KV_CACHE_MEMORY, assert_drained, random_prompts
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["tokenizer", "backend"])
@@ -33,7 +33,8 @@ def test_characters_split_across_tokens_stream_whole(tiny_llama, fast):
 
 
 def test_stop_string_spanning_tokens_truncates_text_and_stops(tiny_llama):
-    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 swap_space=0.01))
     prompt = random_prompts(1, seed=12)[0]
     free = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
     engine.add_request("free", prompt, free)
@@ -131,8 +132,8 @@ def test_include_stop_str_in_output_shows_the_stop_token_or_eos_text(eos_llama, 
                         eos_token_id=EOS_ID, pad_token_id=2)[0, len(prompt):].tolist()
     assert hf[-1] == EOS_ID and len(hf) < 8  # the model stops on EOS after min_tokens
     text = AutoTokenizer.from_pretrained(str(eos_llama)).decode(hf if include else hf[:-1])
-    engine = Engine(EngineConfig(model=str(eos_llama), stream_text=stream_text,
-                                 swap_space=0.01))
+    engine = Engine(EngineConfig(model=str(eos_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 stream_text=stream_text, swap_space=0.01))
     common = dict(temperature=0, max_tokens=8, min_tokens=2, include_stop_str_in_output=include)
     engine.add_request("eos", prompt, SamplingParams(**common))
     engine.add_request("token", prompt, SamplingParams(**common, ignore_eos=True,

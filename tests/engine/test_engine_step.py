@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.harness.engine import assert_drained, random_prompts
+from tests.harness.engine import KV_CACHE_MEMORY, assert_drained, random_prompts
 
 
 def _drive(engine: Engine, finished_only: bool) -> tuple[dict[str, list], int]:
@@ -22,7 +22,8 @@ def test_finished_only_returns_each_request_once_with_the_same_final_output(tiny
     prompts = random_prompts(6, seed=21)
     results = []
     for finished_only in (False, True):
-        engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01, seed=0))
+        engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                     swap_space=0.01, seed=0))
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt,
                                SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True))

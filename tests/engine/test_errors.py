@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.harness.engine import assert_drained, hf_greedy, random_prompts
+from tests.harness.engine import KV_CACHE_MEMORY, assert_drained, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -40,7 +40,8 @@ def test_prompt_larger_than_the_whole_cache_errors_and_others_complete(tiny_llam
 
 
 def test_abort_frees_blocks_and_the_request_is_gone(tiny_llama):
-    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 swap_space=0.01))
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
     engine.add_request("b", [8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     for _ in range(2):
@@ -59,14 +60,16 @@ def test_abort_frees_blocks_and_the_request_is_gone(tiny_llama):
     ([1.5], "prompt must be a string or a list of token ids"),
 ])
 def test_unusable_prompts_raise_value_error(tiny_llama, prompt, message):
-    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 swap_space=0.01))
     with pytest.raises(ValueError, match=message):
         engine.add_request("x", prompt, GREEDY)
     assert not engine.has_unfinished()
 
 
 def test_duplicate_request_id_is_refused(tiny_llama):
-    engine = Engine(EngineConfig(model=str(tiny_llama), swap_space=0.01))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 swap_space=0.01))
     engine.add_request("x", [5, 6], GREEDY)
     with pytest.raises(ValueError, match="already in the engine"):
         engine.add_request("x", [5, 6], GREEDY)
@@ -134,7 +137,8 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_llama, make_llm)
 def test_abort_all_recovers_from_a_step_that_raised_inside_the_scheduler(tiny_llama):
     """A failure half-way through scheduling leaves groups in no queue (abort() cannot find
     them, their blocks stay taken); abort_all starts over clean and the engine serves again."""
-    engine = Engine(EngineConfig(model=str(tiny_llama), block_size=16, swap_space=0.01))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 block_size=16, swap_space=0.01))
     short = random_prompts(2, seed=21, lo=4, hi=6)
     full_block = random_prompts(1, seed=22, lo=16, hi=16)  # its first decode needs a new block
     for i, prompt in enumerate(short + full_block):
@@ -178,4 +182,4 @@ def test_a_checkpoint_tensor_the_model_would_not_use_is_refused(tiny_llama, tmp_
     save_file(weights, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"the checkpoint holds 1 tensor\(s\) this Llama-family "
                        r"model does not use \(e.g. model.layers.0.self_attn.o_proj.bias\)"):
-        Engine(EngineConfig(model=str(path), swap_space=0.01))
+        Engine(EngineConfig(model=str(path), kv_cache_memory=KV_CACHE_MEMORY, swap_space=0.01))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.harness.engine import assert_drained, hf_greedy, random_prompts
+from tests.harness.engine import KV_CACHE_MEMORY, assert_drained, hf_greedy, random_prompts
 from tests.harness.models import ARCHS
 
 MAX_TOKENS = 16
@@ -32,8 +32,8 @@ def test_one_batch_matches_transformers(arch, budget, model_dirs, oracle, make_l
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_requests_joining_a_running_batch_match_transformers(arch, model_dirs, oracle):
-    engine = Engine(EngineConfig(model=str(model_dirs[arch]), block_size=8,
-                                 max_num_batched_tokens=24, swap_space=0.01))
+    engine = Engine(EngineConfig(model=str(model_dirs[arch]), kv_cache_memory=KV_CACHE_MEMORY,
+                                 block_size=8, max_num_batched_tokens=24, swap_space=0.01))
     results: dict[str, list[int]] = {}
     pending = list(enumerate(PROMPTS))
     steps = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from tests.harness.engine import hf_greedy, random_prompts
+from tests.harness.engine import KV_CACHE_MEMORY, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(10, seed=7, lo=3, hi=30)
 MODES = ["recompute", "swap", "auto"]
@@ -49,7 +49,7 @@ def _tokens(outs) -> list[list[list[int]]]:
 def seeded_reference(tiny_llama):
     from engine import LLM
 
-    llm = LLM(str(tiny_llama), block_size=8, swap_space=0.05)
+    llm = LLM(str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY, block_size=8, swap_space=0.05)
     return {n: _tokens(llm.generate(PROMPTS, _seeded(n), use_tqdm=False)) for n in (1, 3)}
 
 

@@ -14,8 +14,8 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.block_manager import AllocStatus, BlockManager
 from engine.prefix_cache import block_hashes
 from engine.sequence import Sequence, SequenceGroup
+from tests.harness.engine import KV_CACHE_MEMORY, hf_greedy
 from tests.harness.engine import assert_drained as assert_blocks_drained
-from tests.harness.engine import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -122,8 +122,8 @@ def new_tokens(steps, request_id: str) -> list[int]:
 
 
 def test_a_second_request_computes_only_its_uncached_tokens(tiny_llama):
-    engine = Engine(EngineConfig(model=str(tiny_llama), block_size=8, swap_space=0.01,
-                                 enable_prefix_caching=True))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 block_size=8, swap_space=0.01, enable_prefix_caching=True))
     steps = record_steps(engine)
     a = PREFIX[:20] + tokens(5, 5)  # 25 tokens: 3 full blocks cached once computed
     b = PREFIX[:20] + tokens(7, 6)  # its third block differs from a's: 2 blocks hit
@@ -153,8 +153,8 @@ def admission(steps, request_id: str):
 
 
 def test_a_wholly_cached_prompt_writes_its_last_token_into_a_copy(tiny_llama):
-    engine = Engine(EngineConfig(model=str(tiny_llama), block_size=8, swap_space=0.01,
-                                 enable_prefix_caching=True))
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 block_size=8, swap_space=0.01, enable_prefix_caching=True))
     steps = record_steps(engine)
     prompt = PREFIX[:16]
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -196,7 +196,8 @@ def test_a_wholly_cached_prompt_the_size_of_the_cache_recomputes_its_last_block(
 
 
 def test_a_prefix_is_hit_while_its_first_request_is_still_prefilling(tiny_llama):
-    engine = Engine(EngineConfig(model=str(tiny_llama), block_size=8, swap_space=0.01,
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 block_size=8, swap_space=0.01,
                                  max_num_batched_tokens=16, enable_prefix_caching=True))
     steps = record_steps(engine)
     a = PREFIX[:48]
@@ -217,7 +218,8 @@ def test_a_prefix_is_hit_while_its_first_request_is_still_prefilling(tiny_llama)
 
 
 def test_abort_caches_what_was_computed_and_abort_all_empties_the_cache(tiny_llama):
-    engine = Engine(EngineConfig(model=str(tiny_llama), block_size=8, swap_space=0.01,
+    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_CACHE_MEMORY,
+                                 block_size=8, swap_space=0.01,
                                  max_num_batched_tokens=16, enable_prefix_caching=True))
     steps = record_steps(engine)
     a = PREFIX[:48]

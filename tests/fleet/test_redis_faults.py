@@ -4,9 +4,11 @@ the worker is told to stop. Nothing is lost, no worker dies, and stopping stays 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from producer import Client
 from producer.protocol import Keys
@@ -14,8 +16,10 @@ from tests.harness.fleet import (
     Expected,
     RedisServer,
     WorkerFactory,
+    WorkerProcess,
     as_expected,
     reply_events,
+    serving_worker,
     stream_all,
     streamed_tokens,
     wait_for,
@@ -28,18 +32,24 @@ Oracle = Callable[[list[str], Any], list[Expected]]
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 
 
+@pytest.fixture(scope="module")
+def worker(server: RedisServer, tiny_llama: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """One worker through the faults it must survive, one test each (its stream deleted and
+    flushed, its Redis demoted to a replica, out of memory): each test leaves the server a
+    primary with room, and the worker must serve the next test's jobs."""
+    yield from serving_worker(server, tiny_llama, tmp_path_factory.mktemp("workers"), "w1")
+
+
 def test_an_idle_worker_survives_its_job_stream_deleted_and_redis_flushed(
-        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
-        offline: Oracle) -> None:
+        server: RedisServer, worker: WorkerProcess, offline: Oracle) -> None:
     """A blocked XREADGROUP answers UNBLOCKED when its stream key goes (DEL, FLUSHALL): the
     worker re-creates the stream and its group, and serves the next job."""
-    worker = workers.start(redis_server.url, tiny_llama, "w1")
-    wait_heartbeats(redis_server, [worker])
-    client = Client(redis_server.url)
+    client = Client(server.url)
     prompts = corpus(3, seed=11)
     want = offline(prompts, GREEDY)
     assert as_expected(client.submit(prompts[0], GREEDY, model="tiny").result(60)) == want[0]
-    conn = redis_server.client()
+    conn = server.client()
     for k, wipe in enumerate((lambda: conn.delete(Keys().jobs("tiny")), conn.flushall), start=1):
         time.sleep(0.3)  # the worker is idle again, blocked in its read
         wipe()
@@ -52,8 +62,7 @@ def test_an_idle_worker_survives_its_job_stream_deleted_and_redis_flushed(
 
 
 def test_a_worker_whose_redis_turns_replica_waits_for_a_primary_and_serves_again(
-        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path, offline: Oracle,
-        tmp_path: Path) -> None:
+        server: RedisServer, worker: WorkerProcess, offline: Oracle, tmp_path: Path) -> None:
     """A failover demotes the worker's Redis to a replica (REPLICAOF: the blocked read is
     UNBLOCKED, then every write answers READONLY): the worker retries as for a lost
     connection instead of dying, and serves again once the server is a primary."""
@@ -61,9 +70,7 @@ def test_a_worker_whose_redis_turns_replica_waits_for_a_primary_and_serves_again
     primary = RedisServer(tmp_path / "primary")
     primary.start()
     try:
-        worker = workers.start(redis_server.url, tiny_llama, "w1")
-        wait_heartbeats(redis_server, [worker])
-        conn = redis_server.client()
+        conn = server.client()
         conn.execute_command("REPLICAOF", "127.0.0.1", str(primary.port))
         wait_for(lambda: "reading jobs failed (You can't write against a read only replica" in
                  worker.output(), timeout=30, what="a retried READONLY read")
@@ -71,7 +78,7 @@ def test_a_worker_whose_redis_turns_replica_waits_for_a_primary_and_serves_again
         assert worker.alive(), worker.output()[-3000:]
         conn.execute_command("REPLICAOF", "NO", "ONE")  # (it took the primary's empty data)
         prompt = corpus(1, seed=14)
-        result = Client(redis_server.url).submit(prompt[0], GREEDY, model="tiny").result(60)
+        result = Client(server.url).submit(prompt[0], GREEDY, model="tiny").result(60)
         assert as_expected(result) == offline(prompt, GREEDY)[0]
         assert worker.alive()
     finally:
@@ -79,20 +86,17 @@ def test_a_worker_whose_redis_turns_replica_waits_for_a_primary_and_serves_again
 
 
 def test_writes_refused_while_redis_is_out_of_memory_land_once_it_has_room(
-        redis_server: RedisServer, workers: WorkerFactory, tiny_llama: Path,
-        offline: Oracle) -> None:
+        server: RedisServer, worker: WorkerProcess, offline: Oracle) -> None:
     """maxmemory with noeviction refuses every XADD: the writer holds the step's writes and
     retries (dropping them left a gap in the stream and the job unacked, run again)."""
-    worker = workers.start(redis_server.url, tiny_llama, "w1")
-    wait_heartbeats(redis_server, [worker])
     prompts = corpus(4, seed=12)
     params = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
-    client = Client(redis_server.url)
+    client = Client(server.url)
     jobs = [client.submit(p, params, model="tiny") for p in prompts]
     seen, threads = stream_all(jobs, timeout=300)
     wait_for(lambda: all(any(e["type"] == "tokens" for e in seen[j.id]) for j in jobs),
              timeout=60, interval=0.01, what="tokens of every job")
-    conn = redis_server.client()
+    conn = server.client()
     conn.config_set("maxmemory", 1)  # (noeviction is the default policy)
     time.sleep(1.5)
     lengths = [conn.xlen(Keys().reply(j.id)) for j in jobs]
@@ -107,7 +111,7 @@ def test_writes_refused_while_redis_is_out_of_memory_land_once_it_has_room(
         assert positions == list(range(300))  # every token once, no gap
         assert tokens == expected[0][0]
         assert as_expected(seen[job.id][-1]) == expected
-        assert [e["type"] for e in reply_events(redis_server, job.id)].count("done") == 1
+        assert [e["type"] for e in reply_events(server, job.id)].count("done") == 1
     assert worker.alive()
     assert "Redis is out of memory" in worker.output()
 
@@ -116,10 +120,11 @@ def test_sigterm_while_redis_is_down_stops_within_the_drain_and_loses_nothing(
         redis_server: RedisServer, workers: WorkerFactory, long_llama: Path,
         oracle_of: OracleOf) -> None:
     """With Redis down the writer falls behind and the loop waits for it; a stop request ends
-    that wait: the worker drains for --drain-timeout, gives the final flush its 15 s and exits.
-    Its unacked jobs are still pending under its name: its next run re-reads them."""
+    that wait: the worker drains for --drain-timeout, gives the final flush its --flush-timeout
+    and exits. Its unacked jobs are still pending under its name: its next run re-reads them."""
 
-    first = workers.start(redis_server.url, long_llama, "w1", "--drain-timeout", "1")
+    first = workers.start(redis_server.url, long_llama, "w1", "--drain-timeout", "1",
+                          "--flush-timeout", "2")
     wait_heartbeats(redis_server, [first])
     prompts = corpus(3, seed=13)
     params = {"temperature": 0, "max_tokens": 1500, "ignore_eos": True}
@@ -132,6 +137,7 @@ def test_sigterm_while_redis_is_down_stops_within_the_drain_and_loses_nothing(
     # It exits cleanly while Redis is still down: the drain and the final flush bound its wait,
     # not Redis coming back (the cap only bounds a failure; Redis starts again only after).
     assert first.terminate(timeout=120) == 0
+    assert "Redis did not take the last writes within 2 s" in first.output()
     redis_server.start()
     again = workers.start(redis_server.url, long_llama, "w1")
     results = [job.result(timeout=300) for job in jobs]

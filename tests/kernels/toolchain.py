@@ -1,6 +1,7 @@
 """The compile checks' tools: nvcc -Xptxas -v for sm_80 and sm_90, and NVRTC (the compiler CuPy
-uses at run time) through cuda-bindings. Started in the background when the session collects
-tests/kernels/test_compile.py, so they overlap the CPU-shim tests. A missing tool is an error."""
+uses at run time) through cuda-bindings. Started in the background as soon as a session has
+collected tests/kernels/test_compile.py (tests/kernels/conftest.py), so they overlap the rest of
+the suite. A missing tool is an error."""
 
 from __future__ import annotations
 
