@@ -96,22 +96,11 @@ class ModelRunner:
                          width: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                               torch.Tensor | None]:
         """One query per sequence, at position `start` (its number of computed tokens)."""
-        n, bs = len(batch), self.block_size
+        bs = self.block_size
         tokens = [s.seq.token_ids[p] for s, p in zip(batch, starts)]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
-        seq_lens = [p + 1 for p in starts]
-        longs = self._upload(_int_tensor(tokens + starts + slots, torch.int64))
-        ints = self._upload(_int_tensor(list(range(n + 1)) + seq_lens + flat_tables, torch.int32))
-        input_ids, positions, slot_mapping = longs.view(3, n)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping, query_start_loc=ints[:n + 1],
-            seq_lens=ints[n + 1:2 * n + 1], block_tables=ints[2 * n + 1:].view(n, width),
-            max_query_len=1, max_seq_len=max(seq_lens), num_decode_seqs=n,
-            seq_lens_list=seq_lens, query_lens_list=[1] * n)
-        if all(s.do_sample for s in batch):
-            return input_ids, positions, meta, None
         rows = [i for i, s in enumerate(batch) if s.do_sample]
-        return input_ids, positions, meta, self._upload(_int_tensor(rows, torch.int64))
+        return self._decode_rows(tokens, starts, slots, flat_tables, width, rows)
 
     def _prepare_speculated(self, batch: list[ScheduledSeq], starts: list[int],
                             tables: list[list[int]], pad: list[int],
@@ -136,10 +125,19 @@ class ModelRunner:
             positions.extend(range(p, p + q))
             rows.extend([i] * q)
         slots = [tables[i][p // bs] * bs + p % bs for i, p in zip(rows, positions)]
-        seq_lens = [p + 1 for p in positions]
         padded = [t if len(t) == width else t + pad[len(t):] for t in tables]
         flat_tables = list(chain.from_iterable(padded[i] for i in rows))
-        n = len(rows)
+        return self._decode_rows(tokens, positions, slots, flat_tables, width, sample_rows)
+
+    def _decode_rows(self, tokens: list[int], positions: list[int], slots: list[int],
+                     flat_tables: list[int], width: int, sample_rows: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                torch.Tensor | None]:
+        """The inputs of a step of one-token query rows (row i: tokens[i] at positions[i],
+        its keys and values to slots[i], its table flat_tables[i * width:]); `sample_rows`:
+        the rows that sample."""
+        n = len(tokens)
+        seq_lens = [p + 1 for p in positions]
         longs = self._upload(_int_tensor(tokens + positions + slots, torch.int64))
         ints = self._upload(_int_tensor(list(range(n + 1)) + seq_lens + flat_tables, torch.int32))
         input_ids, positions_t, slot_mapping = longs.view(3, n)
