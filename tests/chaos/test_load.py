@@ -23,9 +23,10 @@ NUM_JOBS = 10_000
 BATCH = 500  # jobs per submit_many round trip
 TTL_S = 10  # --result-ttl of the workers and the client's idempotency TTL
 PARAMS = {"temperature": 0, "max_tokens": 4}
-# What an idle fleet keeps: the job stream, two heartbeats, the model's worker registry and the
-# registry of models.
-FLEET_KEYS = 5
+# What an idle fleet keeps: the model's three lane streams (high, default, low; the workers
+# create each with its group), two heartbeats, the model's worker registry and the registry of
+# models.
+FLEET_KEYS = 7
 
 
 def used_memory(server: RedisServer) -> int:
