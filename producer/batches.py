@@ -244,6 +244,7 @@ class BatchRun:
         self.err = owner.files.dir / f"{batch_id}.errors.jsonl"
         self._renewed = time.monotonic()
         self._saved = 0.0
+        self._unsaved = False
 
     def run(self) -> None:
         obj, owner = self.obj, self.owner
@@ -288,6 +289,8 @@ class BatchRun:
         self._end("completed")
 
     def _stop(self) -> bool:
+        if self._unsaved:
+            self._save()
         if time.monotonic() - self._renewed > LEASE_MS / 3000:
             self._renewed = time.monotonic()
             if not self.owner._renew(self.obj["id"]):
@@ -298,10 +301,14 @@ class BatchRun:
         return bool(self.owner.conn.hexists(self.owner.keys.batch(self.obj["id"]), "cancel"))
 
     def _save(self, force: bool = False) -> None:
+        """Write the batch object, at most every 0.2 s unless forced; a write held back goes out
+        at the next stop check (so the counts never wait for a line that has not ended)."""
         now = time.monotonic()
         if force or now - self._saved > 0.2:
-            self._saved = now
+            self._saved, self._unsaved = now, False
             self.owner._save(self.obj)
+        else:
+            self._unsaved = True
 
     def _end(self, status: str, errors: dict[str, Any] | None = None) -> None:
         obj, owner = self.obj, self.owner
