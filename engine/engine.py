@@ -10,6 +10,7 @@ hands out outputs.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import time
 from dataclasses import replace
@@ -95,10 +96,13 @@ class Engine:
                               self.byte_table, config.stream_text)
         self.scheduler = Scheduler(config, self.block_manager, checker, self._seq_ids)
         self.runner = ModelRunner(self.model, backend, self.block_manager, self.device)
-        # Masks overlap the model where the CPU is free while it runs (a device); a CPU
-        # worker's cores run the model, and a thread more than cores stalls its OpenMP barriers.
+        # Masks overlap the model where a core is free while it runs: a device's host, or a
+        # CPU worker with a core its torch threads leave over (a thread more than cores would
+        # stall their OpenMP barriers).
+        spare = len(os.sched_getaffinity(0)) > torch.get_num_threads()
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                            self.device.type, overlap=self.device.type != "cpu")
+                                            self.device.type,
+                                            overlap=self.device.type != "cpu" or spare)
         self.step_sampler = StepSampler(Sampler(self.vocab_size), self.structured,
                                         self.eos_token_ids, self.vocab_size,
                                         self.max_model_len)

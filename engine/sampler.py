@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.noise import Noise
@@ -142,38 +141,6 @@ def greedy_but_grammar(p: SamplingParams) -> bool:
             and not p.logit_bias and p.allowed_token_ids is None)
 
 
-@torch.inference_mode()
-def fix_disallowed(logits: torch.Tensor, tokens: list[int], rows: list[int], packed: np.ndarray,
-                   vocab_size: int) -> bool:
-    """Greedy under grammars: `tokens` (the raw argmax of each logits row) where each of `rows`
-    takes the argmax of what its mask (`packed`, see unpack) allows instead. Most rows' argmax
-    is allowed, so only the others get their masks unpacked and applied. False (tokens partly
-    changed) when a row's mask allows nothing."""
-    chosen = np.asarray([tokens[r] for r in rows], dtype=np.int64)
-    words = packed[np.arange(len(rows)), chosen >> 5].astype(np.int64)
-    redo = np.flatnonzero(((words >> (chosen & 31)) & 1) == 0).tolist()
-    if not redo:
-        return True
-    packed = packed[redo]
-    if vocab_size == 32 * packed.shape[1]:  # (no bits past the vocabulary to exclude)
-        if not packed.any(axis=1).all():
-            return False
-    elif not unpack(packed, vocab_size, torch.device("cpu")).any(dim=1).all():
-        return False
-    take = [rows[k] for k in redo]
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:  # (numpy: cheaper here)
-        bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")
-        sub = logits.numpy()[take, :vocab_size]
-        best = np.where(bits[:, :vocab_size].view(bool), sub, np.float32(-np.inf)).argmax(1)
-    else:
-        allowed = unpack(packed, vocab_size, logits.device)
-        sub_t = logits[torch.tensor(take, device=logits.device), :vocab_size].float()
-        best = _argmax(torch.where(allowed, sub_t, float("-inf"))).cpu().numpy()
-    for row, token in zip(take, best.tolist()):
-        tokens[row] = token
-    return True
-
-
 def _wants_logprobs(p: SamplingParams) -> bool:
     return p.logprobs is not None or (p.best_of or p.n) > p.n
 
@@ -267,13 +234,3 @@ def _top(logprobs: torch.Tensor, k: int, chosen: int, chosen_lp: float) -> dict[
         values, ids = logprobs.topk(k)
         result.update(zip(ids.tolist(), values.tolist()))
     return result
-
-
-def unpack(packed: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """A packed bitmask (little-endian int32 words) as a bool [rows, vocab_size] tensor."""
-    if device.type == "cpu":  # (numpy's unpackbits is one C pass)
-        bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(bits[:, :vocab_size]).view(torch.bool)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    bits_t = (torch.from_numpy(packed).to(device).unsqueeze(-1) >> shifts) & 1
-    return bits_t.view(len(packed), -1)[:, :vocab_size] != 0

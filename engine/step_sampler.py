@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from engine import beam_search
-from engine.sampler import Sampler, SampleRow, fix_disallowed, greedy_but_grammar
+from engine.sampler import Sampler, SampleRow, greedy_but_grammar
 from engine.scheduler_output import Sample, Sampled, ScheduledSeq
 from engine.sequence import Sequence, SequenceGroup
 from engine.structured_outputs import StructuredOutputs
+from engine.token_masks import fix_disallowed
 
 
 class StepSampler:
@@ -99,8 +100,8 @@ class StepSampler:
             return None
         seqs = [items[r].seq for r in rows]
         tokens = self.sampler.greedy(logits)
-        packed = self.structured.packed(seqs)
-        if not fix_disallowed(logits, tokens, rows, packed, self.vocab_size):
+        packed, add = self.structured.packed(seqs)
+        if not fix_disallowed(logits, tokens, rows, packed, self.vocab_size, add):
             return None
         return tokens
 

@@ -14,10 +14,12 @@ Rules this module keeps:
   of everyone else do not.
 - The masks of all constrained rows of a step fill one packed bitmask in one call into
   llguidance (without the GIL), as do the matchers' one-token syncs; the sampler applies the
-  bitmask to all rows at once (greedy rows: only to those whose argmax it bans). On a device
-  worker the masks are computed on a thread of their own while the model runs (they depend only
-  on the tokens sampled before the step); a CPU worker's cores run the model, so there they are
-  computed in turn. Steps without constrained rows do none of this.
+  bitmask to all rows at once (greedy rows: only to those whose argmax it bans). Where a core
+  is free while the model runs (a device worker's host; a CPU worker whose torch threads leave
+  a core over), the matchers' syncs and the masks run on a thread of their own meanwhile (they
+  depend only on the tokens sampled before the step), and on a CPU worker the masks' addends
+  (token_masks) with them; elsewhere they run in turn. Steps without constrained rows do none
+  of this.
 """
 
 from __future__ import annotations
@@ -31,12 +33,21 @@ import numpy as np
 import torch
 
 from engine.grammar import DEFAULT_CACHE_SIZE, GrammarCompiler, _llguidance
-from engine.sampler import unpack
+from engine.token_masks import addends, unpack
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence, SequenceGroup
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# Prefetched masks come with their addends (token_masks.addends) while they fit this many floats.
+_MAX_ADDEND_FLOATS = 1 << 22
+
+
+@dataclass(slots=True)
+class _Masks:
+    index: dict[int, int]  # seq_id -> its row
+    packed: np.ndarray
+    add: np.ndarray | None = None  # (made ahead, on a CPU worker)
 
 
 @dataclass(slots=True)
@@ -68,8 +79,8 @@ class StructuredOutputs:
         self._mask_pool: ThreadPoolExecutor | None = None
         self._one_thread: Any = None  # llguidance's executor of one thread, on a CPU worker
         self._mask_words = (max(vocab_size, len(tokenizer)) + 31) // 32
-        self._prefetched: Future[tuple[dict[int, int], np.ndarray]] | None = None
-        self._ready: tuple[dict[int, int], np.ndarray] | None = None
+        self._prefetched: Future[_Masks | None] | None = None
+        self._ready: _Masks | None = None
         self.compiler = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids, cache_size)
         self.counters = self.compiler.counters
         self._templates: dict[str, Any] = {}  # request id -> its compiled, unused matcher
@@ -169,38 +180,45 @@ class StructuredOutputs:
         return None if error is None else error[:500]
 
     def prefetch(self, items: list[tuple[SequenceGroup, Sequence]]) -> None:
-        """Before the model runs: bring the matchers of this step's constrained samples up to
-        date and start their masks on the mask thread. wait() before touching a matcher."""
+        """Before the model runs: on the mask thread, bring the matchers of this step's
+        constrained samples up to date and fill their masks. wait() before touching a matcher."""
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")
+        self._prefetched = self._mask_pool.submit(self._sync_and_fill, items)
+
+    def _sync_and_fill(self, items: list[tuple[SequenceGroup, Sequence]]) -> _Masks | None:
         seqs = [seq for _, seq in items]
         if self.sync_all(items) is not None:  # (the step reports the broken row; not its mask)
             seqs = [seq for group, seq in items if self.sync(group, seq)[1] is None]
-        if seqs:
-            if self._mask_pool is None:
-                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")
-            self._prefetched = self._mask_pool.submit(self._fill, seqs)
+        if not seqs:
+            return None
+        masks = self._fill(seqs)
+        if self.device_type == "cpu" and masks.packed.size * 32 <= _MAX_ADDEND_FLOATS:
+            masks.add = addends(masks.packed, self.vocab_size)
+        return masks
 
     def wait(self) -> None:
         if self._prefetched is not None:
             self._ready = self._prefetched.result()
             self._prefetched = None
 
-    def packed(self, seqs: list[Sequence]) -> np.ndarray:
+    def packed(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray | None]:
         """The tokens each (synced) sequence may draw next, packed: int32 [len(seqs), words],
-        bit t % 32 of word t // 32 set when token t is allowed (prefetched, or filled now)."""
+        bit t % 32 of word t // 32 set when token t is allowed (prefetched, or filled now); and
+        their addends (token_masks.addends) where they were made ahead, else None."""
         ready, self._ready = self._ready, None
-        if ready is None or any(s.seq_id not in ready[0] for s in seqs):
+        if ready is None or any(s.seq_id not in ready.index for s in seqs):
             ready = self._fill(seqs)
-        index, packed = ready
-        rows = [index[s.seq_id] for s in seqs]
-        if rows != list(range(len(index))):
-            packed = packed[rows]
-        return packed
+        rows = [ready.index[s.seq_id] for s in seqs]
+        if rows == list(range(len(ready.index))):
+            return ready.packed, ready.add
+        return ready.packed[rows], None if ready.add is None else ready.add[rows]
 
     def masks(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """The tokens each (synced) sequence may draw next: a bool [len(seqs), vocab] tensor."""
-        return unpack(self.packed(seqs), self.vocab_size, device)
+        return unpack(self.packed(seqs)[0], self.vocab_size, device)
 
-    def _fill(self, seqs: list[Sequence]) -> tuple[dict[int, int], np.ndarray]:
+    def _fill(self, seqs: list[Sequence]) -> _Masks:
         index: dict[int, int] = {}
         for seq in seqs:
             index.setdefault(seq.seq_id, len(index))
@@ -209,7 +227,7 @@ class StructuredOutputs:
         matchers = [(self._matchers[sid].matcher, k) for sid, k in index.items()]
         self._executor().unsafe_compute_mask_ptr(matchers, packed.ctypes.data, width * 4,
                                                  len(index))
-        return index, packed
+        return _Masks(index, packed)
 
     def _executor(self) -> Any:
         """llguidance's executor for a step's matchers: its pool where a device runs the model

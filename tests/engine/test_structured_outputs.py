@@ -8,13 +8,10 @@ import re
 from pathlib import Path
 
 import jsonschema
-import numpy as np
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.grammar import grammar_of
-from engine.sampler import fix_disallowed
 from engine.sampling_params import StructuredOutputsParams
 from engine.sequence import Sequence, SequenceGroup
 from engine.structured_outputs import StructuredOutputs
@@ -234,15 +231,19 @@ def test_a_grammar_and_allowed_token_ids_that_leave_no_token_end_with_an_error(d
     assert good.outputs[0].text.isdigit()
 
 
-def test_greedy_constrained_batches_skip_the_sampler_and_match_the_general_path(demo_llm):
-    """Greedy rows under a grammar take the argmax of what it allows without sample rows; the
-    same requests asking for logprobs go through the sampler and must draw the same tokens."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["masks-in-turn", "masks-made-ahead"])
+def test_greedy_constrained_batches_skip_the_sampler_and_match_the_general_path(overlap,
+                                                                                demo_llm):
+    """Greedy rows under a grammar take the argmax of what it allows without sample rows (with
+    masks made while the model runs, as addends, or in turn); the same requests asking for
+    logprobs go through the sampler and must draw the same tokens."""
     prompts = PROMPTS[:6]
     specs = [{"json": s} for s in SCHEMAS[:4]] + [{"regex": "[a-z]{3,9}"}, {"choice": ["a", "b"]}]
     step_sampler = demo_llm.engine.step_sampler
     calls = []
     sampler = step_sampler.sampler
     step_sampler.sampler = CountingSampler(sampler, calls)
+    was, demo_llm.engine.structured.overlap = demo_llm.engine.structured.overlap, overlap
     try:
         fast = demo_llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=24,
                                                           structured_outputs=spec)
@@ -254,6 +255,7 @@ def test_greedy_constrained_batches_skip_the_sampler_and_match_the_general_path(
         assert calls  # (logprobs need sample rows)
     finally:
         step_sampler.sampler = sampler
+        demo_llm.engine.structured.overlap = was
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in general]
     assert [o.outputs[0].text for o in fast] == [o.outputs[0].text for o in general]
 
@@ -268,22 +270,6 @@ class CountingSampler:
 
     def greedy(self, logits):
         return self.sampler.greedy(logits)
-
-
-def test_fix_disallowed_takes_the_best_allowed_token_and_the_first_of_a_tie():
-    logits = torch.full((4, 64), -5.0)
-    logits[0, 7], logits[0, 40] = 3.0, 1.0  # argmax 7, allowed: untouched
-    logits[1, 7], logits[1, 40], logits[1, 50] = 3.0, 1.0, 2.0  # 7 banned: 50 beats 40
-    logits[2, 33], logits[2, 35], logits[2, 63] = 2.0, 2.0, 9.0  # 63 banned: tie, the first
-    logits[3, 1] = 4.0  # not a grammar row: untouched even though nothing marks 1 allowed
-    packed = np.zeros((3, 2), dtype=np.int32)
-    packed[0, 0] = 1 << 7
-    packed[1, 1] = (1 << (40 - 32)) | (1 << (50 - 32))
-    packed[2, 1] = (1 << 1) | (1 << 3)  # tokens 33 and 35
-    tokens = [7, 7, 63, 1]
-    assert fix_disallowed(logits, tokens, [0, 1, 2], packed, 64)
-    assert tokens == [7, 50, 33, 1]
-    assert not fix_disallowed(logits, [7], [0], np.zeros((1, 2), dtype=np.int32), 64)
 
 
 def test_one_call_syncs_every_matcher_and_names_the_token_a_grammar_refuses(demo_llm):
