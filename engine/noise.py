@@ -4,9 +4,15 @@ output position, token id).
 A counter-based hash gives every (row, token) a 32-bit value h; u = (h + 0.5) / 2**32 and the
 noise is -log(-log(u)), computed in double and rounded to float32. The CPU and the torch path
 (any device) give the same bits, so a seeded job samples the same tokens on any worker.
+
+A step's rows are known before its model runs, so on a CPU worker with a core its torch threads
+leave over the noise is made ahead, on a thread of its own, while the model runs (prefetch); the
+draw takes it when it asks for the same rows, and makes its own otherwise.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -17,11 +23,27 @@ _M32 = 0xFFFFFFFF
 class Noise:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.ahead = False  # make a step's CPU noise while its model runs (a core to spare)
         self._vocab_hash: torch.Tensor | None = None
         self._vocab_hash_u32: np.ndarray | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._made: tuple[list[tuple[int, int, int]], Future[torch.Tensor]] | None = None
 
     def __call__(self, rows: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
         """Gumbel noise [rows, vocab] for rows of (seed, sequence index, output position)."""
+        made, self._made = self._made, None
+        if made is not None and device.type == "cpu" and made[0] == rows:
+            return made[1].result()
+        return self._make(rows, device)
+
+    def prefetch(self, rows: list[tuple[int, int, int]]) -> None:
+        """Start making the CPU noise of `rows` on the noise thread (the next call for exactly
+        these rows takes it; any other call drops it)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="genq-noise")
+        self._made = (rows, self._pool.submit(self._make, rows, torch.device("cpu")))
+
+    def _make(self, rows: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
         keys = [row_key(*row) for row in rows]
         if device.type == "cpu":
             if self._vocab_hash_u32 is None:

@@ -279,3 +279,46 @@ def test_the_cpu_noise_is_the_torch_noise_bit_for_bit(vocab_size):
     for row, token in [(0, 0), (5, vocab_size - 1), (len(keys) - 1, vocab_size // 2)]:
         expected = torch.tensor(_noise_reference(keys[row], token), dtype=torch.float32)
         assert torch.equal(cpu[row, token], expected), (row, token)
+
+
+def test_noise_made_ahead_is_taken_only_for_the_same_rows():
+    from engine.noise import Noise
+
+    cpu = torch.device("cpu")
+    rows, other = [(5, 0, 3), (7, 1, 0), (5, 2, 3)], [(5, 0, 4)]
+    noise = Noise(4096)
+    noise.prefetch(rows)
+    assert torch.equal(noise(rows, cpu), Noise(4096)(rows, cpu))
+    noise.prefetch(rows)
+    assert torch.equal(noise(other, cpu), Noise(4096)(other, cpu))  # (not the rows made ahead)
+    assert noise._made is None  # (dropped: the next call makes its own)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=4, n=2, best_of=3, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_p=0.9, max_tokens=12, ignore_eos=True)],
+    ids=["seeded", "best-of", "unseeded-top-p"])
+def test_noise_made_while_the_model_runs_samples_what_noise_made_in_turn_does(params, tiny_llama,
+                                                                             make_llm):
+    """The rows a step prefetches are the rows its sampler draws: the same tokens either way,
+    and with noise made ahead no step makes its own (two engines: unseeded requests draw their
+    seeds from the engine's)."""
+    import threading
+
+    def run(ahead):
+        llm = make_llm(tiny_llama, num_threads=1, seed=11)
+        noise = llm.engine.step_sampler.sampler.noise
+        noise.ahead, make, on_thread = ahead, noise._make, []
+        noise._make = lambda rows, device: (
+            on_thread.append(threading.current_thread().name.startswith("genq-noise"))
+            or make(rows, device))
+        mixed = [params, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3
+        outs = llm.generate(PROMPTS[:6], mixed, use_tqdm=False)
+        return [sorted((c.index, c.token_ids) for c in o.outputs) for o in outs], on_thread
+
+    in_turn, made_in_turn = run(False)
+    ahead, made_ahead = run(True)
+    assert ahead == in_turn
+    assert made_in_turn and not any(made_in_turn)
+    assert made_ahead and all(made_ahead)
