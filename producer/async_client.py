@@ -178,7 +178,7 @@ class AsyncJob:
                     yield item
             if reader.finished:
                 return
-            if reader.may_be_expired and await reply_expired_async(
+            if reader.expiry_check_due(time.monotonic()) and await reply_expired_async(
                     self.client.redis, self.client.keys.idem(self.id, self.model or None),
                     self.reply_key):
                 raise ResultExpired(self.id)

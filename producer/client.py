@@ -286,7 +286,7 @@ class Job:
                 yield from reader.feed(_entries(resp))
             if reader.finished:
                 return
-            if reader.may_be_expired and reply_expired(
+            if reader.expiry_check_due(time.monotonic()) and reply_expired(
                     self.client.redis, self.client.keys.idem(self.id, self.model or None),
                     self.reply_key):
                 raise ResultExpired(self.id)

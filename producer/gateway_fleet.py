@@ -91,15 +91,25 @@ class GatewayRedis:
 
 
 class FleetView:
-    """Live workers' models (from heartbeats, cached for a second) and queue depths."""
+    """Live workers' models (from heartbeats, cached for a second) and queue depths.
 
-    def __init__(self, conn: aioredis.Redis, keys: Keys, cache_s: float = 1.0) -> None:
+    A request is admitted against a count of its model's queue at most `depth_cache_s` old plus
+    what this gateway admitted since, counted by one read however many requests ask meanwhile
+    (a flood costs Redis a read per interval, not one per request); it is refused only on a
+    count read for it, so a queue that drained admits at once."""
+
+    def __init__(self, conn: aioredis.Redis, keys: Keys, cache_s: float = 1.0,
+                 depth_cache_s: float = 0.1) -> None:
         self.conn = conn
         self.keys = keys
         self.cache_s = cache_s
+        self.depth_cache_s = depth_cache_s
         self._models: dict[str, int] = {}
         self._models_at = -1e9
         self.shard_counts = ShardCounts(keys)
+        # model -> [depth counted + admitted since, when counted]; the count in flight
+        self._depths: dict[str, list[float]] = {}
+        self._counting: dict[str, asyncio.Future[None]] = {}
 
     async def live_models(self, fresh: bool = False) -> dict[str, int]:
         """{served model name: number of live workers}."""
@@ -153,8 +163,31 @@ class FleetView:
                                    code="model_not_found")
             raise GatewayError(503, f"no live worker serves {model!r} right now; retry later",
                                type_="server_error", code="no_worker")
-        check_queue_room(model, await self.queue_depth(model) or 0, num_sequences,
-                         max_queue_depth)
+        depth = await self._recent_depth(model, fresh=False)
+        if depth + num_sequences > max_queue_depth:
+            depth = await self._recent_depth(model, fresh=True)
+        check_queue_room(model, depth, num_sequences, max_queue_depth)
+        self._depths[model][0] += num_sequences  # (admitted: counted until the next read)
+
+    async def _recent_depth(self, model: str, fresh: bool) -> int:
+        """The model's queue depth as last counted plus what was admitted since; counted anew
+        when `fresh` or older than depth_cache_s (joining a count already under way)."""
+        known = self._depths.get(model)
+        if not fresh and known is not None \
+                and time.monotonic() - known[1] < self.depth_cache_s:
+            return int(known[0])
+        task = self._counting.get(model)
+        if task is None:
+            task = self._counting[model] = asyncio.ensure_future(self._count(model))
+        await asyncio.shield(task)  # (a request that goes away leaves the count to the rest)
+        return int(self._depths[model][0])
+
+    async def _count(self, model: str) -> None:
+        started = time.monotonic()
+        try:
+            self._depths[model] = [await self.queue_depth(model) or 0, started]
+        finally:
+            self._counting.pop(model, None)
 
 
 _ENTRY_ID_RE = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
@@ -241,7 +274,7 @@ class JobReader:
                 yield item
             if reader.finished:
                 return
-            if reader.may_be_expired and await self._expired():
+            if reader.expiry_check_due(time.monotonic()) and await self._expired():
                 raise GatewayError(410, f"job {self.job_id} ended, but its reply stream has "
                                    "expired (the workers' --result-ttl); submit it under a new "
                                    "id to run it again", code="result_expired")

@@ -9,7 +9,8 @@ around one, doing only the reads and the waits:
             a failed read: wait reader.read_failed(now) and skip the feed
         yield from reader.feed(entries)
         if reader.finished: stop
-        if reader.may_be_expired and Redis says the result expired (results.reply_expired): raise
+        if reader.expiry_check_due(now) and Redis says the result expired
+            (results.reply_expired): raise
         if reader.timed_out(now): raise
 
 The rules it owns:
@@ -21,7 +22,9 @@ The rules it owns:
 - entries up to `after` (a resumed stream: the entry id the caller already has) go through the
   deduper but are not yielded: what they made is kept in `replayed`;
 - a read that returned nothing while nothing was ever read may mean that the job ended and its
-  stream expired: only then is Redis asked;
+  stream expired: only then is Redis asked, at once the first time, then at doubling intervals
+  from 1 s up to 30 s (a job waits in its queue with nothing to read; a stream that expired
+  before the reader came is found by the first ask);
 - the deadline counts only once the reader has caught up: a read that returned a full
   REPLY_READ_COUNT is read on, so a job that ended in time is not reported late for the
   entries in front of its end;
@@ -43,6 +46,8 @@ BLOCK_MS = 1000  # the longest one read blocks
 REPLY_READ_COUNT = 512  # reply entries per read of one job's stream
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 2.0
+_EXPIRY_CHECK_FIRST_S = 1.0
+_EXPIRY_CHECK_MAX_S = 30.0
 
 Entry = tuple[bytes | str, Any]  # (entry id, fields) as XREAD returns them
 
@@ -74,6 +79,8 @@ class ReplyReader:
         self.replayed: list[ClientEvent] = []  # what the entries up to `after` made
         self._num_read = 0  # entries the last read returned
         self._backoff = _BACKOFF_FIRST_S
+        self._next_expiry_check = -1e18  # (monotonic seconds)
+        self._expiry_interval = _EXPIRY_CHECK_FIRST_S
 
     @property
     def finished(self) -> bool:
@@ -86,8 +93,16 @@ class ReplyReader:
 
     @property
     def may_be_expired(self) -> bool:
-        """Whether the caller should ask Redis if the job's result expired unread."""
+        """Whether the job's result may have expired unread (nothing was ever read)."""
         return self._num_read == 0 and self.cursor == "0-0"
+
+    def expiry_check_due(self, now: float) -> bool:
+        """Whether the caller should ask Redis now if the job's result expired unread."""
+        if not self.may_be_expired or now < self._next_expiry_check:
+            return False
+        self._next_expiry_check = now + self._expiry_interval
+        self._expiry_interval = min(self._expiry_interval * 2, _EXPIRY_CHECK_MAX_S)
+        return True
 
     def block_ms(self, now: float) -> int:
         """How long the next read may block."""

@@ -258,9 +258,9 @@ def test_null_sampling_fields_take_their_defaults_as_openai_does(
 
 def test_a_cut_requests_delayed_cancel_spares_a_job_that_a_retry_reads(tmp_path: Path) -> None:
     """A client that times out and retries at once with the same Genq-Job-Id: the first
-    request notices the disconnect up to 0.25 s late and schedules the job's cancel after the
-    resume grace; by then the retry reads the job, so the cancel must not fire. Once no request
-    reads it, a cut request's cancel does."""
+    request notices the disconnect and schedules the job's cancel after the resume grace; by
+    then the retry reads the job, so the cancel must not fire. Once no request reads it, a cut
+    request's cancel does."""
     from producer.gateway import Gateway, GatewayConfig
 
     server = RedisServer(tmp_path)

@@ -92,6 +92,56 @@ def test_prompts_times_n_count_against_the_queue_depth(redis_server: RedisServer
     assert redis_server.client().xlen(JOBS) == 1
 
 
+def test_a_flood_is_admitted_against_one_count_of_the_queue_and_refused_on_a_fresh_one(
+        redis_server: RedisServer) -> None:
+    """40 requests at once cost one count of the queue, not 40; what was admitted counts
+    against the cap until the next count; a refusal comes only from a count read for it, so a
+    queue found empty admits at once."""
+    serve_tiny(redis_server)
+
+    async def scenario() -> list[Any]:
+        from producer.openai_schema import GatewayError
+
+        app = create_app(GatewayConfig(redis_url=redis_server.url))
+        fleet = app.state.gateway.fleet
+        fleet.depth_cache_s = 600.0  # (no count falls due by age within the test)
+        counted = fleet.queue_depth
+        reads: list[int | None] = []
+
+        async def queue_depth(model: str) -> int | None:
+            reads.append(await counted(model))
+            return reads[-1]
+
+        fleet.queue_depth = queue_depth
+
+        async def admit(cap: int) -> str:
+            try:
+                await fleet.require_model("tiny", cap)
+                return "ok"
+            except GatewayError as exc:
+                return exc.code or ""
+
+        try:
+            flood = await asyncio.gather(*(admit(1000) for _ in range(40)))
+            steps = [list(reads)]
+            # 40 admitted as far as this gateway knows (none enqueued): 41, 42 fit a cap of
+            # 42, the next is counted anew (no job in Redis) and fits
+            steps += [[await admit(42) for _ in range(3)], list(reads)]
+            for _ in range(5):
+                redis_server.client().xadd(JOBS, {"v": 2, "job": b"held"})
+            # 1 admitted since the count: 2, 3, 4, 5 fit a cap of 5 (a count 600 s stale, as
+            # far as it knows); the next is counted anew: 5 in Redis, so it is refused
+            steps += [[await admit(5) for _ in range(5)], list(reads)]
+            return [flood] + steps
+        finally:
+            await app.state.gateway.redis.close()
+
+    flood, first, then, second, five, third = asyncio.run(scenario())
+    assert flood == ["ok"] * 40 and first == [None]  # (None: no job stream yet)
+    assert then == ["ok"] * 3 and second == [None, None]
+    assert five == ["ok"] * 4 + ["queue_full"] and third == [None, None, 5]
+
+
 @pytest.fixture
 def gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[GatewayProcess]:
     serve_tiny(redis_server)
@@ -170,3 +220,24 @@ def test_sigterm_mid_stream_stops_the_gateway_and_cancels_the_cut_job(
         release.set()
         threads[0].join(60)
     assert redis_server.client().exists(KEYS.cancel("cut-1")) == 1
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_gone_before_its_first_token_cancels_its_job(
+        stream: bool, redis_server: RedisServer, tmp_path: Path) -> None:
+    """The request awaits its client's disconnect while its job waits in the queue (no worker
+    takes it here): a client that hangs up has the job cancelled after the resume grace."""
+    serve_tiny(redis_server)
+    proc = GatewayProcess(redis_server.url, tmp_path / "gateway.log", "--resume-grace", "0.1")
+    job_id = f"gone-{'s' if stream else 'w'}"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": stream}
+    conn = redis_server.client()
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # (then httpx closes the connection)
+            httpx.post(f"{proc.url}/v1/completions", json=body, headers={"Genq-Job-Id": job_id},
+                       timeout=httpx.Timeout(60.0, read=1.0))
+        assert conn.exists(KEYS.idem(job_id)) == 1  # (it was enqueued)
+        wait_for(lambda: conn.exists(KEYS.cancel(job_id)) == 1, timeout=60,
+                 what="the gateway to cancel the job of the client that hung up")
+    finally:
+        proc.stop()

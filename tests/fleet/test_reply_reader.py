@@ -78,6 +78,17 @@ def test_asks_about_expiry_only_while_nothing_was_ever_read() -> None:
     assert not resumed.may_be_expired
 
 
+def test_asks_about_expiry_at_once_then_at_doubling_intervals_up_to_30_s() -> None:
+    """A job that waits in a long queue has nothing to read for minutes: its reader must not ask
+    Redis about it after every empty read (once a second)."""
+    reader = ReplyReader(None, 0.0)
+    list(reader.feed([]))
+    asked = [t for t in range(0, 200) if reader.expiry_check_due(float(t))]
+    assert asked == [0, 1, 3, 7, 15, 31, 61, 91, 121, 151, 181]
+    list(reader.feed([entry("1-0", started_event(1, "w"))]))
+    assert not reader.expiry_check_due(1000.0)
+
+
 def test_the_deadline_counts_only_once_caught_up() -> None:
     reader = ReplyReader(2.0, 10.0)
     assert (reader.block_ms(10.0), reader.block_ms(11.5), reader.block_ms(13.0)) == \
