@@ -36,7 +36,13 @@ def entry_key(entry_id: str | bytes) -> tuple[int, int]:
 class Subscription:
     key: str
     cursor: tuple[int, int] = (0, 0)  # entries up to here were handed over
-    inbox: asyncio.Queue[list[Entry]] = field(default_factory=asyncio.Queue)
+    inbox: list[Entry] = field(default_factory=list)  # handed over, not yet taken
+    waiter: asyncio.Future[None] | None = None  # next()'s, while it waits
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class ReplyHub:
@@ -68,13 +74,19 @@ class ReplyHub:
             self._subs.pop(sub.key, None)
 
     async def next(self, sub: Subscription, timeout_s: float) -> list[Entry]:
-        """The entries past the subscription's cursor, waiting up to timeout_s ([]: none)."""
-        if not sub.inbox.empty():
-            return sub.inbox.get_nowait()
-        try:
-            return await asyncio.wait_for(sub.inbox.get(), timeout_s)
-        except asyncio.TimeoutError:
-            return []
+        """The entries past the subscription's cursor, waiting up to timeout_s ([]: none).
+        (A bare future and a timer: a stream waits here for every token.)"""
+        if not sub.inbox:
+            loop = asyncio.get_running_loop()
+            sub.waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _wake, sub.waiter)
+            try:
+                await sub.waiter
+            finally:
+                timer.cancel()
+                sub.waiter = None
+        entries, sub.inbox = sub.inbox, []
+        return entries
 
     async def close(self) -> None:
         self._generation += 1
@@ -136,5 +148,7 @@ class ReplyHub:
             else:
                 batch = [e for e in entries if entry_key(e[0]) > sub.cursor]
             if batch:
-                sub.inbox.put_nowait(batch)
+                sub.inbox += batch
                 sub.cursor = last
+                if sub.waiter is not None:
+                    _wake(sub.waiter)

@@ -39,7 +39,17 @@ def test_each_subscription_gets_every_entry_of_its_key_once(redis_server: RedisS
             hub.unsubscribe(first)
             conn.xadd("r:a", {"n": b"5"})
             assert ids(await hub.next(second, 30)) == [b"5"]
-            assert first.inbox.empty() and other.inbox.empty()
+            assert first.inbox == [] and other.inbox == []
+            # Nothing new within the wait: [] (and no waiter left behind); a wait that is
+            # cancelled leaves none either.
+            assert await hub.next(other, 0.05) == [] and other.waiter is None
+            waiting = asyncio.ensure_future(hub.next(other, 30))
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            assert waiting.cancelled() and other.waiter is None
+            conn.xadd("r:b", {"n": b"y"})
+            assert ids(await hub.next(other, 30)) == [b"y"]
         finally:
             await hub.close()
 

@@ -245,6 +245,7 @@ def test_caps_are_limit_errors() -> None:
 
 def test_events_round_trip() -> None:
     events = [started_event(1, "w1"), tokens_event(1, 0, 3, [4, 5], "ab", [[[4, -0.5]]]),
+              tokens_event(1, 1, 0, [2 ** 64 - 1], "\u00e9"),
               done_event(1, [{"index": 0, "token_ids": [4], "text": "a", "finish_reason": "stop",
                               "cumulative_logprob": -1.0}], {"prompt_tokens": 2}, {"total_s": 1.0}),
               error_event(2, "cancelled", "cancelled by the client")]
@@ -259,6 +260,22 @@ def test_events_round_trip() -> None:
     ({"type": "started", "attempt": 1, "worker": "w", "x": 1}, "unknown_field"),
     ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0, "token_ids": ["a"], "text": ""},
      "wrong_type"),
+    # (tokens events take a fast path first: what it lets through, check_map would have)
+    ({"type": "tokens", "attempt": 1, "index": True, "pos": 0, "token_ids": [], "text": ""},
+     "wrong_type"),
+    ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0.0, "token_ids": [], "text": ""},
+     "wrong_type"),
+    ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0, "token_ids": [1, False],
+      "text": ""}, "wrong_type"),
+    ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0, "token_ids": [], "text": b"x"},
+     "wrong_type"),
+    ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0, "token_ids": [], "text": "",
+      "logprobs": {}}, "wrong_type"),
+    ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0, "token_ids": []}, "missing_field"),
+    ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0, "token_ids": [], "text": "",
+      "more": 1}, "unknown_field"),
+    ({"type": "tokens", "attempt": 1, "index": 0, "pos": 0, "token_ids": [2 ** 64 - 1],
+      "text": "", "logprobs": None}, "wrong_type"),
 ])
 def test_bad_events_are_protocol_errors(event: dict[str, object], code: str) -> None:
     with pytest.raises(ProtocolError) as exc:
