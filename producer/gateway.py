@@ -288,8 +288,8 @@ class Gateway:
                             yield "".join(frames) + f"data: {json.dumps(void)}\n\n"
                             return
                         head = f"id: {entry_id}\n" if with_ids else ""
-                        frames += [f"{head}data: {json.dumps(data)}\n\n"
-                                   for data in shaper.sse_payloads(event)]
+                        frames += [f"{head}data: {data}\n\n"
+                                   for data in shaper.sse_data(event)]
                         finished = event["type"] in ("done", "error")
                         if frames and reader.batch_left == 0 and not finished:
                             yield "".join(frames)  # (events read together: one write)

@@ -9,6 +9,7 @@ offset where the next token's text starts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ class Choices:
         self.echoes = [p if echo and isinstance(p, str) else "" for p in prompts] or [""]
         self.started: set[int] = set()  # streamed choices that had their first chunk
         self.offsets: dict[int, int] = {}  # streamed choice -> text offset of its next token
+        self._frames: dict[int, tuple[str, str]] = {}  # choice -> its text chunk around the text
 
     def _logprobs(self, rows: list[Any] | None, offset: int) -> tuple[dict[str, Any] | None, int]:
         if self.k is None or rows is None:
@@ -77,6 +79,21 @@ class Choices:
             "the new run's (the same request with stream=false returns it)", type_="server_error",
             code="stream_restarted").body()
 
+    def sse_data(self, event: Mapping[str, Any]) -> list[str]:
+        """sse_payloads as JSON text. A tokens event of a choice past its first chunk, without
+        logprobs (each streamed token of most streams), fills a template of its chunk: the
+        same text json.dumps gives for the whole chunk, for the cost of dumping its text."""
+        if event["type"] == "tokens" and self.k is None and event["index"] in self.started:
+            around = self._frames.get(event["index"])
+            if around is None:
+                parts = json.dumps(self._chunk(event["index"], _MARK, None, None)).split(
+                    json.dumps(_MARK))
+                around = self._frames[event["index"]] = \
+                    (parts[0], parts[1]) if len(parts) == 2 else ("", "")
+            if around[1]:  # (else the mark was in the id or the model name: no template)
+                return [around[0] + json.dumps(event["text"]) + around[1]]
+        return [json.dumps(data) for data in self.sse_payloads(event)]
+
     def sse_payloads(self, event: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The SSE data objects one genq event becomes (restart and started become none)."""
         kind = event["type"]
@@ -97,3 +114,6 @@ class Choices:
         if kind == "error":
             return [error_status(event).body()]
         return []
+
+
+_MARK = "\ue000genq-chunk-text\ue000"  # (a private-use mark no chunk's frame holds)
