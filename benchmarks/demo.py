@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         fleet.start_redis()
         loaded = time.perf_counter()
         names = fleet.start_workers(args.workers, args.max_num_seqs)
-        print(f"workers ready in {time.perf_counter() - loaded:.1f} s: {', '.join(names)}")
+        print(f"workers ready in {time.perf_counter() - loaded:.1f} s: {', '.join(names)}",
+              flush=True)
         stream_live(fleet.url, served, args.live_prompt, args.max_tokens)
         print(f"--- {args.jobs} jobs, max_tokens {args.max_tokens}, over {args.workers} worker(s)")
         summary = asyncio.run(run_batch(fleet.url, served, args.jobs, args.max_tokens, args.seed))

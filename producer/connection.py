@@ -146,6 +146,12 @@ def _cluster_target(url: str, base: str, userinfo: str, path: str, query: str,
     return Target(url=url, cluster_nodes=nodes, node_kwargs=kwargs)
 
 
+# Without a cap of its own a pool opens what its callers need at once (a stream's XREAD BLOCK
+# holds one while it waits): redis-py 8 caps a pool at 100 by default and refuses the 101st
+# concurrent caller ("Too many connections"), where earlier versions had no cap.
+UNCAPPED = 2 ** 31
+
+
 def _timeouts(socket_timeout: float) -> dict[str, Any]:
     return {"socket_timeout": socket_timeout, "socket_connect_timeout": CONNECT_TIMEOUT}
 
@@ -159,16 +165,17 @@ def connect(url: str, *, socket_timeout: float = 5.0) -> redis.Redis:
     if target.is_cluster:
         return cast(redis.Redis, redis.cluster.RedisCluster(
             startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.cluster_nodes],
-            protocol=2, **target.node_kwargs, **_timeouts(socket_timeout)))
+            protocol=2, max_connections=UNCAPPED, **target.node_kwargs,
+            **_timeouts(socket_timeout)))
     if not target.is_sentinel:
         return redis.Redis(connection_pool=redis.ConnectionPool.from_url(
-            url, protocol=2, **_timeouts(socket_timeout),
+            url, protocol=2, max_connections=UNCAPPED, **_timeouts(socket_timeout),
             connection_class=_single_node_class(url)))
     manager = redis.sentinel.Sentinel(
         list(target.sentinels), sentinel_kwargs={**target.sentinel_kwargs,
                                                  **_timeouts(CONNECT_TIMEOUT)})
-    return manager.master_for(target.service, protocol=2, **target.node_kwargs,
-                              **_timeouts(socket_timeout))
+    return manager.master_for(target.service, protocol=2, max_connections=UNCAPPED,
+                              **target.node_kwargs, **_timeouts(socket_timeout))
 
 
 class _BlockingSentinelPool(aiosentinel.SentinelConnectionPool, aioredis.BlockingConnectionPool):
@@ -179,16 +186,15 @@ def connect_async(url: str, *, socket_timeout: float = 5.0,
                   max_connections: int | None = None) -> aioredis.Redis:
     """connect() for asyncio. With max_connections, at most that many connections are open and a
     caller past the cap waits for one (the gateway's pools; on a cluster, the cap is per node
-    and a caller past it is refused)."""
+    and a caller past it is refused); without, as many as the callers need at once."""
     target = parse(url)
-    pool: dict[str, Any] = {} if max_connections is None else {
+    pool: dict[str, Any] = {"max_connections": UNCAPPED} if max_connections is None else {
         "max_connections": max_connections, "timeout": None}
     if target.is_cluster:
-        per_node: dict[str, Any] = {} if max_connections is None else {
-            "max_connections": max_connections}
         return cast(aioredis.Redis, aiocluster.RedisCluster(
             startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in target.cluster_nodes],
-            protocol=2, **per_node, **target.node_kwargs, **_timeouts(socket_timeout)))
+            protocol=2, max_connections=max_connections or UNCAPPED, **target.node_kwargs,
+            **_timeouts(socket_timeout)))
     if not target.is_sentinel:
         pool_type = aioredis.ConnectionPool if max_connections is None \
             else aioredis.BlockingConnectionPool

@@ -170,6 +170,26 @@ def test_async_client_mirrors_the_sync_one(redis_server: RedisServer) -> None:
     assert result["outputs"][0]["token_ids"] == [3]  # type: ignore[index]
 
 
+def test_300_jobs_submitted_and_read_at_once_by_an_async_client(
+        redis_server: RedisServer) -> None:
+    """More concurrent callers than redis-py 8's default pool cap (100): each submit and each
+    stream's blocking read gets a connection, none is refused with "Too many connections"."""
+    ids = [f"many-{k}" for k in range(300)]
+
+    async def scenario() -> list[list[int]]:
+        async with AsyncClient(redis_server.url) as client:
+            jobs = await asyncio.gather(*(client.submit("hi", {"temperature": 0}, model="tiny",
+                                                        job_id=i) for i in ids))
+            reads = [asyncio.ensure_future(job.result(timeout=60)) for job in jobs]
+            await asyncio.sleep(0.5)  # (every read blocks on its stream, holding a connection)
+            for k, job_id in enumerate(ids):
+                write(redis_server, job_id, started_event(1, "w"), done(1, [k]))
+            results = await asyncio.gather(*reads)
+            return [r["outputs"][0]["token_ids"] for r in results]  # type: ignore[index]
+
+    assert asyncio.run(scenario()) == [[k] for k in range(300)]
+
+
 def test_text_that_is_not_unicode_is_refused_before_enqueueing(redis_server: RedisServer) -> None:
     """A lone surrogate (half a UTF-16 pair: what a non-UTF-8 byte in argv becomes) cannot be
     sent as MessagePack text: a ProtocolError naming the field, not a UnicodeEncodeError."""
