@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.harness.fleet import sigint_as_from_a_terminal
 from tests.harness.gateway import MODEL_DIR, REPO
 from tests.harness.oracle import OracleOf
 
@@ -18,7 +19,8 @@ from tests.harness.oracle import OracleOf
 def demo(*args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "benchmarks.demo", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=sigint_as_from_a_terminal)
 
 
 def processes_using_port(port: int) -> list[str]:

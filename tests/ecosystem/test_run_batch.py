@@ -17,7 +17,7 @@ import pytest
 
 from producer.events import decode_event
 from producer.protocol import REPLY_FIELD, Keys
-from tests.harness.fleet import RedisServer, serving_worker, wait_for
+from tests.harness.fleet import RedisServer, serving_worker, sigint_as_from_a_terminal, wait_for
 from tests.harness.oracle import Oracle
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +57,8 @@ def start(server: RedisServer, inp: Path, out: Path) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "producer.cli", "run-batch", "-i", str(inp), "-o", str(out),
             "--redis", server.url, "--no-progress"]
     return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=sigint_as_from_a_terminal)
 
 
 def run_batch(server: RedisServer, inp: Path, out: Path) -> None:

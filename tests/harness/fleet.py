@@ -25,6 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
+def sigint_as_from_a_terminal() -> None:
+    """Popen's preexec_fn for a child a test interrupts with SIGINT: a suite started in the
+    background without job control passes SIGINT ignored to its children, and a Python started
+    so installs no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
