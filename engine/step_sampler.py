@@ -40,9 +40,7 @@ class StepSampler:
             if not item.do_sample or params.temperature == 0.0 or params.use_beam_search:
                 continue
             position = len(item.seq.token_ids) - item.seq.num_prompt_tokens
-            forked = params.best_of == 1 or group.forked
-            rows += [(group.seed, index, position)
-                     for index in ([item.seq.index] if forked else range(group.width))]
+            rows += [(group.seed, index, position) for index in _sample_indexes(group, item.seq)]
         if rows:
             self.noise.prefetch(rows)
 
@@ -85,8 +83,7 @@ class StepSampler:
             # EOS: then EOS may end it early (vLLM's rule).
             if num_out < params.min_tokens and not done:
                 banned = params.stop_token_ids + ([] if params.ignore_eos else sorted(eos))
-            forked = params.best_of == 1 or group.forked
-            for index in [seq.index] if forked else range(group.width):
+            for index in _sample_indexes(group, seq):
                 if params.structured_outputs is not None:
                     grammar_rows.append(len(rows))
                     grammar_seqs.append(seq)
@@ -94,7 +91,7 @@ class StepSampler:
                                       seq.num_prompt_tokens, banned))
                 samples.append(Sample(group, seq, index, None, grammar_done=done))
                 row_index.append(r)
-            fanned = fanned or not forked  # the first sample of a best_of group fans out
+            fanned = fanned or _fans_out(group)
         if rows:
             self._draw(rows, samples, logits, row_index if fanned or beams else None,
                        grammar_rows, grammar_seqs)
@@ -142,3 +139,14 @@ class StepSampler:
                                 "none")
                 continue
             sample.token, sample.logprob, sample.top = token, lp, top
+
+
+def _fans_out(group: SequenceGroup) -> bool:
+    """The first sample of a best_of group: one sample row per sequence it forks into."""
+    return group.params.best_of != 1 and not group.forked
+
+
+def _sample_indexes(group: SequenceGroup, seq: Sequence) -> list[int] | range:
+    """The sequence indexes of the sample rows `seq` draws this step (prefetch and __call__
+    build the same rows, in the same order)."""
+    return range(group.width) if _fans_out(group) else [seq.index]
