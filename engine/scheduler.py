@@ -19,6 +19,13 @@ budget (max_num_seqs):
 
 Preempted groups go back into their queue in arrival order, so FCFS holds across preemptions.
 
+With prefills_first (TGI's and SGLang's schedule; off by default), a step that could admit
+waiting groups while others run admits them alone, steps 1 and 2 skipped: a new request's first
+token comes without waiting for a step that also decodes every running sequence, which waits
+one prefill step instead. Never twice in a row (the decodes run at least every other step), not
+while groups are swapped out or speculation is on, and under "priority" not ahead of a more
+urgent running group.
+
 Under scheduling_policy "priority" (vLLM's), "oldest" reads "most urgent": the waiting and
 swapped queues are ordered by (priority, arrival), lower first, the running queue by priority
 (admission order within one), and preemption takes the least urgent running group.
@@ -73,7 +80,7 @@ class Scheduler:
         # recomputed one's outputs too); num_cached_tokens: those the prefix cache served.
         self.counters = {"num_recompute_preemptions": 0, "num_swap_outs": 0, "num_swap_ins": 0,
                          "num_artificial_preemptions": 0, "num_infeasible": 0,
-                         "num_priority_preemptions": 0,
+                         "num_priority_preemptions": 0, "num_prefill_only_steps": 0,
                          "num_prompt_tokens": 0, "num_cached_tokens": 0}
         self.preemptor = Preemptor(config, block_manager, self.counters)
         self.admission = Admission(config, block_manager, self.counters, self._finish,
@@ -89,6 +96,7 @@ class Scheduler:
         self.preemptor.reset()
         self._priorities: set[int] = set()
         self._preempted_last_step = False
+        self._prefills_alone_last_step = False
 
     # -- queues ----------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -133,6 +141,15 @@ class Scheduler:
             if self.waiting and self.running:
                 for victim in self.preemptor.preempt_for(self.waiting[0], self.running, out):
                     self._requeue(victim)
+        if out.num_preempted == 0 and self._prefills_alone():
+            self._schedule_waiting(out, budget)
+            self._prefills_alone_last_step = bool(out.scheduled)
+            if out.scheduled:
+                self.counters["num_prefill_only_steps"] += 1
+                self._preempted_last_step = False
+                return out
+        else:
+            self._prefills_alone_last_step = False
         self._schedule_running(out, budget, proposals or {})
         if out.num_preempted == 0:
             self._schedule_swapped(out, budget)
@@ -201,6 +218,17 @@ class Scheduler:
             budget.commit(group, plan, out, self.block_manager)
             kept.append(group)
         self.running = kept
+
+    def _prefills_alone(self) -> bool:
+        """Whether this step runs the waiting prompts it can admit without the running groups
+        (config.prefills_first): not twice in a row, so the decodes run at least every other
+        step; not with speculation (its proposals are made for the running groups), nor while
+        groups are swapped out (they go first), nor ahead of a more urgent running group."""
+        return self.config.prefills_first and not self._prefills_alone_last_step \
+            and bool(self.waiting) and bool(self.running) and not self.swapped \
+            and self.config.speculative_config is None \
+            and not (self._by_priority and len(self._priorities) > 1 and any(
+                g.priority < self.waiting[0].priority for g in self.running))
 
     def _spec_fits(self, plan: list[ScheduledSeq]) -> bool:
         """Whether `plan`'s speculative tokens, if any, fit the free blocks."""

@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per engine step, prefill chunks included (default: %(default)s)")
+    e.add_argument("--prefills-first", action=argparse.BooleanOptionalAction, default=False,
+                   help="a step that can admit new prompts while others decode runs them alone, "
+                        "at most every other step (TGI's and SGLang's schedule): first tokens "
+                        "come sooner, decoding slows (docs/serving.md has the trade-off); off: "
+                        "new prompts join the decode step, as vLLM V1 runs them "
+                        "(default: %(default)s)")
     e.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per sequence (default: the model's)")
     e.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
@@ -227,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            prefills_first=args.prefills_first,
             max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
             scheduling_policy=args.scheduling_policy,
             swap_space=args.swap_space, seed=args.seed, num_threads=args.num_threads,

@@ -36,6 +36,21 @@ def test_greedy_is_unchanged_by_injected_preemption(arch, mode, chunked, model_d
         assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] == stats["num_swap_outs"]
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_and_seeded_are_unchanged_by_prefills_first(mode, model_dirs, greedy_oracle,
+                                                           seeded_reference, make_llm):
+    """New and recomputed prompts prefilled in steps of their own: the same tokens."""
+    llm = make_llm(model_dirs["llama"], block_size=8, preemption_mode=mode, prefills_first=True,
+                   max_num_batched_tokens=16, max_num_seqs=16, artificial_preemption_prob=0.5,
+                   artificial_preemption_seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == greedy_oracle["llama"]
+    assert _tokens(llm.generate(PROMPTS, _seeded(3), use_tqdm=False)) == seeded_reference[3]
+    stats = llm.stats()
+    assert stats["num_prefill_only_steps"] > 0 and stats["num_preemptions"] > 0
+
+
 def _seeded(n: int) -> list[SamplingParams]:
     return [SamplingParams(n=n, temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=20,
                            ignore_eos=True) for i in range(len(PROMPTS))]

@@ -244,3 +244,61 @@ def test_speculation_keeps_only_the_blocks_of_accepted_tokens():
     sched.block_manager.check_invariants()
     drain(sched, spec=True)
     assert seq.num_output_tokens == 20 and sched.block_manager.num_free_blocks == 64
+
+
+def _names(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.group.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_prefills_first_runs_a_new_prompt_alone_then_with_the_decodes():
+    sched = make(prefills_first=True, max_num_seqs=8)
+    add(sched, 5, 0.0, max_tokens=6)
+    add(sched, 3, 1.0, max_tokens=6)
+    # Nothing runs yet: both prompts are admitted together, as without the option.
+    assert _names(fake_step(sched)) == [("r0.0", 5), ("r1.0", 3)]
+    assert _names(fake_step(sched)) == [("r0.0", 1), ("r1.0", 1)]
+    add(sched, 7, 2.0, max_tokens=6)
+    assert _names(fake_step(sched)) == [("r2.0", 7)]  # alone: the decodes wait this one step
+    assert _names(fake_step(sched)) == [("r0.0", 1), ("r1.0", 1), ("r2.0", 1)]
+    assert sched.counters["num_prefill_only_steps"] == 1
+
+
+def test_without_prefills_first_a_new_prompt_joins_the_decode_step():
+    sched = make(max_num_seqs=8)
+    add(sched, 5, 0.0, max_tokens=6)
+    fake_step(sched)
+    add(sched, 7, 2.0, max_tokens=6)
+    assert _names(fake_step(sched)) == [("r0.0", 1), ("r2.0", 7)]
+    assert sched.counters["num_prefill_only_steps"] == 0
+
+
+def test_prefills_first_never_runs_two_prefill_steps_in_a_row():
+    """A prompt arriving every step: the decodes still run every other step, and every
+    request gets all its tokens."""
+    sched = make(prefills_first=True, max_num_seqs=64, num_blocks=256)
+    first = add(sched, 4, 0.0, max_tokens=10)
+    fake_step(sched)
+    groups, alone = [first], []
+    for t in range(1, 13):
+        groups.append(add(sched, 4, float(t), max_tokens=10))
+        out = fake_step(sched)
+        alone.append(all(s.group is groups[-1] for s in out.scheduled))
+    assert alone == [True, False] * 6
+    drain(sched)
+    assert [g.seqs[0].num_output_tokens for g in groups] == [10] * 13
+    assert sched.counters["num_prefill_only_steps"] == 6
+
+
+def test_prefills_first_does_not_run_a_prompt_ahead_of_a_more_urgent_decode():
+    sched = make(prefills_first=True, scheduling_policy="priority", max_num_seqs=8)
+    urgent = SequenceGroup("urgent", SamplingParams(max_tokens=6),
+                           [Sequence(next(_ids), 0, [5] * 4, 4)], 0, arrival_time=0.0,
+                           priority=0)
+    sched.add(urgent)
+    fake_step(sched)
+    later = SequenceGroup("later", SamplingParams(max_tokens=6),
+                          [Sequence(next(_ids), 0, [5] * 4, 4)], 0, arrival_time=1.0,
+                          priority=5)
+    sched.add(later)
+    assert _names(fake_step(sched)) == [("urgent", 1), ("later", 4)]
+    assert sched.counters["num_prefill_only_steps"] == 0
