@@ -7,8 +7,10 @@ streams then cost one Redis read and one connection, not a hundred of each.
 
 A subscription that the XREAD in flight does not cover (a new key, or a resume that reads a
 key from its start) is picked up at once: a new reader generation starts an XREAD over all keys,
-and the older one ends once its XREAD returns (what both read is handed over once: each
-subscription's cursor drops what it already has). No Redis command beyond XREAD is needed.
+and the older one ends once its XREAD returns, handing nothing over: the newer XREAD was sent
+from cursors no further on, so it reads the same entries (each subscription's cursor drops
+anything it already has). No Redis command beyond XREAD is needed. Of one XREAD's streams, those
+getting their first entries are handed over first.
 """
 
 from __future__ import annotations
@@ -133,8 +135,15 @@ class ReplyHub:
             finally:
                 if generation == self._generation:
                     self._in_flight = None
-            for raw_key, entries in resp or []:
-                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+            if generation != self._generation:
+                return  # (the newer reader's XREAD, sent from cursors no further on, reads it)
+            batches = [(key.decode() if isinstance(key, bytes) else key, entries)
+                       for key, entries in resp or []]
+            # Streams about to get their first entries go first: their requests' tasks wake
+            # first, so a first token is not sent after every other stream's token of the step.
+            batches.sort(key=lambda batch: all(
+                sub.cursor != (0, 0) for sub in self._subs.get(batch[0], ())))
+            for key, entries in batches:
                 self._dispatch(self._subs.get(key, []), entries)
 
     @staticmethod

@@ -5,6 +5,7 @@ or a key the XREAD in flight did not cover."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from producer.gateway_hub import ReplyHub
 from tests.harness.fleet import RedisServer
@@ -54,3 +55,41 @@ def test_each_subscription_gets_every_entry_of_its_key_once(redis_server: RedisS
             await hub.close()
 
     asyncio.run(scenario())
+
+
+def test_streams_getting_their_first_entries_are_handed_over_first(
+        redis_server: RedisServer) -> None:
+    """Of one XREAD's streams, a new request's stream wakes its reader before streams that
+    already had entries, whatever their order in the XREAD: a first token is not sent after
+    every other stream's token of the same engine step."""
+    conn = redis_server.client()
+
+    async def scenario() -> list[str]:
+        hub = ReplyHub(redis_server.url)
+        try:
+            old, new = hub.subscribe("r:old"), hub.subscribe("r:new")  # (one reader for all)
+            hub.subscribe("r:trigger")
+            conn.xadd("r:old", {"n": b"1"})
+            assert ids(await hub.next(old, 30)) == [b"1"]
+            order: list[str] = []
+
+            async def wait(sub: Any, name: str) -> None:
+                assert len(await hub.next(sub, 30)) == 1
+                order.append(name)
+
+            waits = [asyncio.ensure_future(wait(old, "old")),
+                     asyncio.ensure_future(wait(new, "new"))]
+            await asyncio.sleep(0.1)  # both wait; the XREAD in flight reads r:old, then r:new
+            # One transaction: a blocked XREAD returns with r:trigger alone (Redis 7.0) or with
+            # all three streams (7.2); either way r:old and r:new come back in one reply.
+            pipe = conn.pipeline(transaction=True)
+            pipe.xadd("r:trigger", {"n": b"t"})
+            pipe.xadd("r:old", {"n": b"2"})
+            pipe.xadd("r:new", {"n": b"a"})
+            pipe.execute()
+            await asyncio.gather(*waits)
+            return order
+        finally:
+            await hub.close()
+
+    assert asyncio.run(scenario()) == ["new", "old"]
