@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gateway-args", default="", help="extra `genq gateway` flags")
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
     p.add_argument("--rounds", type=int, default=2, help="rounds, the order swapped each round")
+    p.add_argument("--warmup-prompts", type=int, default=32,
+                   help="requests each side serves at rate inf before the first round "
+                        "(not measured: a server's first requests pay its start-up)")
     p.add_argument("--skip-vllm", action="store_true", help="measure genq only")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
@@ -168,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_vllm:  # (up together, measured in turns: both see the same machine)
             vllm_base, server = start_vllm(tmp, args.model, procs, args.vllm_args.split())
             sides["vllm"] = (vllm_base, server, [server])
+        if args.warmup_prompts:
+            warm = argparse.Namespace(**{**vars(args), "num_prompts": args.warmup_prompts})
+            for side, (url, _, _) in sides.items():
+                bench(url, args.model, "inf", warm, tmp / f"{side}-warmup.json")
         for k in range(args.rounds):
             order = list(sides) if k % 2 == 0 else list(reversed(sides))
             row: dict[str, Any] = {side: {} for side in sides}
