@@ -53,6 +53,7 @@ class ReplyHub:
                                   socket_timeout=block_ms / 1000 + 10)
         self.block_ms = block_ms
         self._subs: dict[str, list[Subscription]] = {}
+        self._fresh = 0  # subscriptions handed no entry yet (their streams go first)
         self._generation = 0  # the newest reader's; older readers end after their XREAD
         self._in_flight: dict[str, str] | None = None  # the newest reader's blocked XREAD
         self._restart_due = False
@@ -62,6 +63,7 @@ class ReplyHub:
     def subscribe(self, key: str) -> Subscription:
         sub = Subscription(key)
         self._subs.setdefault(key, []).append(sub)
+        self._fresh += 1
         self._wake.set()
         if not self._tasks or (self._in_flight is not None
                                and self._in_flight.get(key) != "0-0"):
@@ -72,6 +74,7 @@ class ReplyHub:
         subs = self._subs.get(sub.key, [])
         if sub in subs:
             subs.remove(sub)
+            self._fresh -= sub.cursor == (0, 0)
         if not subs:
             self._subs.pop(sub.key, None)
 
@@ -141,13 +144,13 @@ class ReplyHub:
                        for key, entries in resp or []]
             # Streams about to get their first entries go first: their requests' tasks wake
             # first, so a first token is not sent after every other stream's token of the step.
-            batches.sort(key=lambda batch: all(
-                sub.cursor != (0, 0) for sub in self._subs.get(batch[0], ())))
+            if self._fresh:
+                batches.sort(key=lambda batch: all(
+                    sub.cursor != (0, 0) for sub in self._subs.get(batch[0], ())))
             for key, entries in batches:
                 self._dispatch(self._subs.get(key, []), entries)
 
-    @staticmethod
-    def _dispatch(subs: list[Subscription], entries: list[Entry]) -> None:
+    def _dispatch(self, subs: list[Subscription], entries: list[Entry]) -> None:
         if not entries:
             return
         first, last = entry_key(entries[0][0]), entry_key(entries[-1][0])
@@ -157,6 +160,7 @@ class ReplyHub:
             else:
                 batch = [e for e in entries if entry_key(e[0]) > sub.cursor]
             if batch:
+                self._fresh -= sub.cursor == (0, 0)
                 sub.inbox += batch
                 sub.cursor = last
                 if sub.waiter is not None:
