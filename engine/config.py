@@ -38,9 +38,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     # A step that can admit waiting prompts while others decode admits them alone, without the
-    # decodes, once in a row (TGI's and SGLang's schedule): a new request's first token comes a
-    # decode step sooner, and each decoding request waits for the short prefill step instead of
-    # decoding inside a longer mixed one. Off: prompts join the decode step (vLLM V1's).
+    # decodes, never twice in a row (TGI's and SGLang's schedule): a new request's first token
+    # does not wait for a step that also decodes every running request, which waits for the
+    # prefill step instead. Off: prompts join the decode step (vLLM V1's). docs/serving.md has
+    # the trade-off measured.
     prefills_first: bool = False
     # Reuse the KV of full prompt blocks that earlier requests computed (vLLM's automatic
     # prefix caching): a request sharing a prompt prefix computes only what follows it. Off by
