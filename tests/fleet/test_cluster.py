@@ -28,6 +28,7 @@ from tests.harness.fleet import (
     WorkerFactory,
     WorkerProcess,
     as_expected,
+    freeze_when,
     reply_events,
     streamed_tokens,
     wait_for,
@@ -189,8 +190,10 @@ def test_kill_9_and_reclaim_on_a_cluster_run_each_job_once(
     prompts = corpus(3, seed=23)
     with Client(nodes.url) as client:
         jobs = [client.submit(p, params, model="tiny") for p in prompts]
-        wait_for(lambda: all(tokens_written(nodes, j.id) for j in jobs), timeout=120,
-                 what="every job's first tokens")
+        freeze_when(victim, lambda: all(tokens_written(nodes, j.id) for j in jobs),
+                    "every job's first tokens")
+        assert not any(e["type"] == "done" for j in jobs for e in reply_events(
+            nodes, j.id)), "a job ended before its worker stopped"  # type: ignore[arg-type]
         victim.kill9()
         survivor = factory.start(nodes.url, tiny_llama, "c2", "--result-ttl", "600")
         results = [list(job.stream(timeout=240)) for job in jobs]

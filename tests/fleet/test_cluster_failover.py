@@ -19,6 +19,7 @@ from tests.harness.fleet import (
     Expected,
     WorkerFactory,
     WorkerProcess,
+    freeze_when,
     reply_events,
     streamed_tokens,
     wait_for,
@@ -82,6 +83,11 @@ def check_once(fleet: Fleet, jobs: list[Job], expected: list[Expected]) -> list[
         assert sum(e["type"] in ("done", "error") for e in raw) == 1, job.id
         attempts.append(events[-1]["attempt"])
     return attempts
+
+
+def ended(fleet: Fleet, job: Job) -> bool:
+    return any(e["type"] in ("done", "error") for e in reply_events(  # type: ignore[arg-type]
+        fleet.nodes, job.id, job.model))
 
 
 def started(fleet: Fleet, jobs: list[Job]) -> bool:
@@ -166,7 +172,8 @@ def test_a_slot_migrated_mid_stream_with_its_worker_killed(fleet: Fleet, tiny_ll
     prompts = corpus(3, seed=33)
     with Client(fleet.nodes.url) as client:
         jobs = [client.submit(p, LONG, model=b) for p in prompts]
-        wait_for(lambda: started(fleet, jobs), timeout=120, what="every job's first tokens")
+        freeze_when(fleet.workers[b], lambda: started(fleet, jobs), "every job's first tokens")
+        assert not any(ended(fleet, job) for job in jobs), "a job ended before its worker stopped"
         fleet.workers[b].kill9()
         migrate_slot(KEYS.jobs(b), source, target, fleet.nodes)
         wait_for(lambda: fleet.owner(b).port == target.port, timeout=60,

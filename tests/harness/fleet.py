@@ -184,6 +184,15 @@ def serving_worker(server: RedisServer, model: Path, workdir: Path, name: str,
 MIN_WAIT_S = 120.0
 
 
+def freeze_when(worker: WorkerProcess, predicate: Callable[[], object], what: str,
+                timeout: float = 120) -> None:
+    """SIGSTOP `worker` as soon as `predicate` holds (polled every 5 ms): a kill -9 test's jobs
+    are then caught mid-stream however fast the host runs them (its writer process may still
+    land what the worker had handed it)."""
+    wait_for(predicate, timeout=timeout, interval=0.005, what=what)
+    worker.proc.send_signal(signal.SIGSTOP)
+
+
 def wait_for(predicate: Callable[[], T], timeout: float = MIN_WAIT_S, interval: float = 0.05,
              what: str = "condition") -> T:
     """predicate()'s first truthy value, polled every `interval` s; an AssertionError after
