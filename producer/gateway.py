@@ -262,8 +262,9 @@ class Gateway:
             with self._reading([job_id]):  # (the body reads on under its own)
                 first = await watch_disconnect(request, anext_or_none(events))
         except ClientGone:
-            await events.aclose()
             self.cancel_later([job_id], req.model)
+            with contextlib.suppress(RuntimeError):  # (a read still ending: it ends on its own)
+                await events.aclose()
             return Response(status_code=499)
         if first is not None and first[1]["type"] == "error":
             await events.aclose()

@@ -190,8 +190,9 @@ def test_kill_9_and_reclaim_on_a_cluster_run_each_job_once(
     prompts = corpus(3, seed=23)
     with Client(nodes.url) as client:
         jobs = [client.submit(p, params, model="tiny") for p in prompts]
-        freeze_when(victim, lambda: all(tokens_written(nodes, j.id) for j in jobs),
-                    "every job's first tokens")
+        jobs_key = Keys().jobs("tiny")  # (stopped the moment it holds all three)
+        freeze_when(victim, lambda: nodes.owner(jobs_key).client().xpending(
+            jobs_key, Keys().group)["pending"] == 3, "the worker holding the jobs")
         assert not any(e["type"] == "done" for j in jobs for e in reply_events(
             nodes, j.id)), "a job ended before its worker stopped"  # type: ignore[arg-type]
         victim.kill9()
