@@ -223,12 +223,13 @@ class Scheduler:
         """Whether this step runs the waiting prompts it can admit without the running groups
         (config.prefills_first): not twice in a row, so the decodes run at least every other
         step; not with speculation (its proposals are made for the running groups), nor while
-        groups are swapped out (they go first), nor ahead of a more urgent running group."""
+        groups are swapped out (they go first), nor ahead of a more urgent running group (the
+        running queue is in priority order by now: the most urgent first)."""
         return self.config.prefills_first and not self._prefills_alone_last_step \
             and bool(self.waiting) and bool(self.running) and not self.swapped \
             and self.config.speculative_config is None \
-            and not (self._by_priority and len(self._priorities) > 1 and any(
-                g.priority < self.waiting[0].priority for g in self.running))
+            and not (self._by_priority and len(self._priorities) > 1
+                     and self.running[0].priority < self.waiting[0].priority)
 
     def _spec_fits(self, plan: list[ScheduledSeq]) -> bool:
         """Whether `plan`'s speculative tokens, if any, fit the free blocks."""

@@ -29,6 +29,7 @@ from tests.harness.fleet import (
     WorkerProcess,
     as_expected,
     freeze_when,
+    pending_of,
     reply_events,
     streamed_tokens,
     wait_for,
@@ -190,9 +191,8 @@ def test_kill_9_and_reclaim_on_a_cluster_run_each_job_once(
     prompts = corpus(3, seed=23)
     with Client(nodes.url) as client:
         jobs = [client.submit(p, params, model="tiny") for p in prompts]
-        jobs_key = Keys().jobs("tiny")  # (stopped the moment it holds all three)
-        freeze_when(victim, lambda: nodes.owner(jobs_key).client().xpending(
-            jobs_key, Keys().group)["pending"] == 3, "the worker holding the jobs")
+        freeze_when(victim, lambda: pending_of(nodes, victim.name) == 3,  # type: ignore[arg-type]
+                    "the worker holding the jobs")
         assert not any(e["type"] == "done" for j in jobs for e in reply_events(
             nodes, j.id)), "a job ended before its worker stopped"  # type: ignore[arg-type]
         victim.kill9()

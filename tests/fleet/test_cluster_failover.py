@@ -20,6 +20,7 @@ from tests.harness.fleet import (
     WorkerFactory,
     WorkerProcess,
     freeze_when,
+    pending_of,
     reply_events,
     streamed_tokens,
     wait_for,
@@ -83,12 +84,6 @@ def check_once(fleet: Fleet, jobs: list[Job], expected: list[Expected]) -> list[
         assert sum(e["type"] in ("done", "error") for e in raw) == 1, job.id
         attempts.append(events[-1]["attempt"])
     return attempts
-
-
-def held(fleet: Fleet, model: str) -> int:
-    """The entries of `model`'s stream that its worker has read and not acknowledged."""
-    key = KEYS.jobs(model)
-    return int(fleet.owner(model).client().xpending(key, KEYS.group)["pending"])
 
 
 def ended(fleet: Fleet, job: Job) -> bool:
@@ -181,7 +176,9 @@ def test_a_slot_migrated_mid_stream_with_its_worker_killed(fleet: Fleet, tiny_ll
     prompts = corpus(3, seed=33)
     with Client(fleet.nodes.url) as client:
         jobs = [client.submit(p, LONG, model=b) for p in prompts]
-        freeze_when(fleet.workers[b], lambda: held(fleet, b) == 3, "the worker holding the jobs")
+        victim = fleet.workers[b]
+        freeze_when(victim, lambda: pending_of(fleet.nodes, victim.name, b) == 3,  # type: ignore[arg-type]
+                    "the worker holding the jobs")
         assert not any(ended(fleet, job) for job in jobs), "a job ended before its worker stopped"
         fleet.workers[b].kill9()
         migrate_slot(KEYS.jobs(b), source, target, fleet.nodes)
