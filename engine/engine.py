@@ -106,7 +106,6 @@ class Engine:
         self.step_sampler = StepSampler(Sampler(self.vocab_size), self.structured,
                                         self.eos_token_ids, self.vocab_size,
                                         self.max_model_len)
-        self.step_sampler.noise.ahead = self.device.type == "cpu" and spare
         if draft is not None:
             draft.attach(self.kv_cache, self.block_manager, num_blocks, num_host)
         self.speculator = None if spec is None else Speculator(
@@ -252,14 +251,12 @@ class Engine:
         self.kv_cache.copy(sched.blocks_to_copy)
 
     def _run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """The model over `batch`: the logits of its sampling rows. Grammar masks and sampling
-        noise are made meanwhile where a core is left over."""
+        """The model over `batch`: the logits of its sampling rows. Grammar masks are made
+        meanwhile where a core is left over."""
         if self.structured.overlap and self.structured.active:
             self.structured.prefetch([(item.group, item.seq) for item in batch
                                       if item.do_sample and item.group.params
                                       .structured_outputs is not None])
-        if self.step_sampler.noise.ahead and self.speculator is None:
-            self.step_sampler.prefetch(batch)
         logits = self.runner.execute(batch, self.kv_cache.device_cache)
         self.structured.wait()
         return logits

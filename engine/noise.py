@@ -5,17 +5,21 @@ A counter-based hash gives every (row, token) a 32-bit value h; u = (h + 0.5) / 
 noise is -log(-log(u)), computed in double and rounded to float32. The CPU and the torch path
 (any device) give the same bits, so a seeded job samples the same tokens on any worker.
 
-A step's rows are known before its model runs, so on a CPU worker with a core its torch threads
-leave over the noise is made ahead, on a thread of its own, while the model runs (prefetch); the
-draw takes it when it asks for the same rows, and makes its own otherwise.
+The draw is argmax(logits + noise). On the CPU it runs in C++ (engine/csrc/gumbel_argmax.cpp)
+without making the whole noise: a float32 estimate of every token's sum, then the exact noise of
+the few tokens the estimate leaves in contention. It picks the token the full noise picks (the
+tests hold it to that); the two double logs per token it skips were most of a step's sampling.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import ctypes
+import functools
 
 import numpy as np
 import torch
+
+from engine import native
 
 _M32 = 0xFFFFFFFF
 
@@ -23,35 +27,53 @@ _M32 = 0xFFFFFFFF
 class Noise:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self.ahead = False  # make a step's CPU noise while its model runs (a core to spare)
         self._vocab_hash: torch.Tensor | None = None
         self._vocab_hash_u32: np.ndarray | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._made: tuple[list[tuple[int, int, int]], Future[torch.Tensor]] | None = None
 
     def __call__(self, rows: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
         """Gumbel noise [rows, vocab] for rows of (seed, sequence index, output position)."""
-        made, self._made = self._made, None
-        if made is not None and device.type == "cpu" and made[0] == rows:
-            return made[1].result()
-        return self._make(rows, device)
-
-    def prefetch(self, rows: list[tuple[int, int, int]]) -> None:
-        """Start making the CPU noise of `rows` on the noise thread (the next call for exactly
-        these rows takes it; any other call drops it)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="genq-noise")
-        self._made = (rows, self._pool.submit(self._make, rows, torch.device("cpu")))
-
-    def _make(self, rows: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
         keys = [row_key(*row) for row in rows]
         if device.type == "cpu":
-            if self._vocab_hash_u32 is None:
-                self._vocab_hash_u32 = vocab_hash(self.vocab_size).numpy().astype(np.uint32)
-            return gumbel_cpu(self._vocab_hash_u32, keys)
+            return gumbel_cpu(self._hash_u32(), keys)
         if self._vocab_hash is None or self._vocab_hash.device != device:
             self._vocab_hash = vocab_hash(self.vocab_size).to(device)
         return gumbel_torch(self._vocab_hash, keys)
+
+    def draw(self, logits: torch.Tensor,
+             rows: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """argmax(logits + noise) of each row (the first maximum; a NaN counts as the maximum)
+        for CPU float32 `logits` [rows, vocab]; None where the C++ draw cannot run (another
+        device or dtype, no compiler): the caller adds the noise and takes the argmax."""
+        lib = _library() if logits.device.type == "cpu" and logits.dtype == torch.float32 \
+            else None
+        if lib is None:
+            return None
+        logits = logits.contiguous()
+        keys = np.array([row_key(*row) for row in rows], dtype=np.uint32)
+        token_hash = self._hash_u32()
+        out = torch.empty(len(rows), dtype=torch.int64)
+        lib.genq_gumbel_argmax(logits.data_ptr(), len(rows), logits.shape[1],
+                               token_hash.ctypes.data, keys.ctypes.data, out.data_ptr(),
+                               torch.get_num_threads())
+        return out
+
+    def _hash_u32(self) -> np.ndarray:
+        if self._vocab_hash_u32 is None:
+            self._vocab_hash_u32 = vocab_hash(self.vocab_size).numpy().astype(np.uint32)
+        return self._vocab_hash_u32
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = native.library(native.CSRC / "gumbel_argmax.cpp")
+    if lib is not None:
+        lib.genq_gumbel_argmax.restype = None
+        lib.genq_gumbel_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_int]
+        lib.genq_gumbel_estimate.restype = None
+        lib.genq_gumbel_estimate.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return lib
 
 
 def vocab_hash(vocab_size: int) -> torch.Tensor:

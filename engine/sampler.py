@@ -81,9 +81,12 @@ class Sampler:
             logits = _apply_logit_bias(logits, rows)
         if any(has_penalty(r.params) for r in rows):
             logits = _apply_penalties(logits, rows)
-        chosen = _argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
-        if random_rows:
+        if len(random_rows) == len(rows):  # (the usual batch: no argmax to overwrite)
+            chosen = self._draw(logits, rows)
+        else:
+            chosen = _argmax(logits)
+        if random_rows and len(random_rows) < len(rows):
             idx = torch.tensor(random_rows, device=logits.device)
             chosen[idx] = self._draw(logits[idx], [rows[i] for i in random_rows])
         token_ids = chosen.tolist()
@@ -116,8 +119,10 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
         logits = _filter(logits / temps[:, None], rows)  # (a new tensor: added to in place)
-        return _argmax(logits.add_(self.noise(
-            [(r.seed, r.seq_index, r.position) for r in rows], logits.device)))
+        keys = [(r.seed, r.seq_index, r.position) for r in rows]
+        drawn = self.noise.draw(logits, keys)
+        return drawn if drawn is not None else _argmax(logits.add_(self.noise(keys,
+                                                                              logits.device)))
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

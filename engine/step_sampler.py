@@ -25,24 +25,10 @@ class StepSampler:
     def __init__(self, sampler: Sampler, structured: StructuredOutputs, eos_token_ids: set[int],
                  vocab_size: int, max_model_len: int) -> None:
         self.sampler = sampler
-        self.noise = sampler.noise  # (made ahead by prefetch, taken by the sampler's draw)
         self.structured = structured
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-
-    def prefetch(self, batch: list[ScheduledSeq]) -> None:
-        """Before the model runs: start making the noise of the step's random sample rows
-        (those __call__ builds, in its order) where the noise is made ahead."""
-        rows = []
-        for item in batch:
-            group, params = item.group, item.group.params
-            if not item.do_sample or params.temperature == 0.0 or params.use_beam_search:
-                continue
-            position = len(item.seq.token_ids) - item.seq.num_prompt_tokens
-            rows += [(group.seed, index, position) for index in _sample_indexes(group, item.seq)]
-        if rows:
-            self.noise.prefetch(rows)
 
     def __call__(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> Sampled:
         items = [item for item in batch if item.do_sample]  # logits row r <-> items[r]
@@ -147,6 +133,5 @@ def _fans_out(group: SequenceGroup) -> bool:
 
 
 def _sample_indexes(group: SequenceGroup, seq: Sequence) -> list[int] | range:
-    """The sequence indexes of the sample rows `seq` draws this step (prefetch and __call__
-    build the same rows, in the same order)."""
+    """The sequence indexes of the sample rows `seq` draws this step."""
     return range(group.width) if _fans_out(group) else [seq.index]

@@ -1,50 +1,21 @@
-"""The CPU decode kernel (csrc/paged_decode.cpp): compiled with the system C++ compiler on first
-use, cached per source digest under ~/.cache/genq, called through ctypes (which releases the GIL).
+"""The CPU decode kernel (engine/csrc/paged_decode.cpp), built by engine/native.py on first use.
 Without a compiler the torch path runs instead."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+from engine import native
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        logger.warning("no C++ compiler: CPU decode attention falls back to plain torch")
+    lib = native.library(native.CSRC / "paged_decode.cpp")
+    if lib is None:
         return None
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("GENQ_CACHE", Path.home() / ".cache" / "genq"))
-    target = cache / f"paged_decode-{digest}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            built = Path(tmp) / target.name
-            cmd = [compiler, "-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared",
-                   "-fPIC", "-pthread", str(_SOURCE), "-o", str(built)]
-            # OpenMP first (the same runtime as torch's CPU ops); plain threads if unavailable.
-            result = subprocess.run(cmd + ["-fopenmp"], capture_output=True, text=True)
-            if result.returncode != 0:
-                result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.warning("compiling the CPU decode kernel failed, using plain torch:\n%s",
-                               result.stderr[-2000:])
-                return None
-            built.replace(target)  # atomic: concurrent workers never load a half-written file
-    lib = ctypes.CDLL(str(target))
     lib.genq_paged_decode_f32.restype = ctypes.c_int
     lib.genq_paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [
         ctypes.c_float, ctypes.c_int]
