@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import threading
 import time
 from collections import Counter
@@ -194,11 +193,11 @@ class Fleet:
         held: list[dict[str, Any]] = []
         for _ in range(200):
             self.wait_holding(name, 3)
-            os.kill(proc.pid, signal.SIGSTOP)
+            proc.pause()  # (its writer process too: nothing of it can finish a job meanwhile)
             held = self.pending(name)  # frozen now: only other workers can take them away
             if held:
                 break
-            os.kill(proc.pid, signal.SIGCONT)
+            proc.resume()
             time.sleep(0.05)
         assert held, f"{name} never held a job when paused"
         stopped_at = time.monotonic()
@@ -215,7 +214,7 @@ class Fleet:
                      timeout=90, interval=0.05, what=f"the others reclaiming {name}'s jobs")
             time.sleep(1.0)  # and then some: it wakes well past its TTL
         finally:
-            os.kill(proc.pid, signal.SIGCONT)
+            proc.resume()
         self.figures["pauses (SIGSTOP past the TTL)"] += 1
         self.figures["jobs held by the paused worker"] = len(attempts)
         print(f"soak: paused {name} for {time.monotonic() - stopped_at:.1f} s holding "

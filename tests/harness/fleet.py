@@ -100,6 +100,28 @@ class WorkerProcess:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
+    def pause(self) -> None:
+        """SIGSTOP the worker and its child processes (its writer process), children first: a
+        paused machine, with nothing of the worker left running to finish a job meanwhile."""
+        for pid in [*self._descendants(), self.pid]:
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in [self.pid, *self._descendants()]:
+            os.kill(pid, signal.SIGCONT)
+
+    def _descendants(self) -> list[int]:
+        found, todo = [], [self.pid]
+        while todo:
+            for task in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+                try:
+                    kids = [int(c) for c in task.read_text().split()]
+                except OSError:  # (the task ended)
+                    continue
+                found += kids
+                todo += kids
+        return found
+
     def terminate(self, timeout: float = 30.0) -> int:
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
