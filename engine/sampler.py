@@ -82,13 +82,13 @@ class Sampler:
         if any(has_penalty(r.params) for r in rows):
             logits = _apply_penalties(logits, rows)
         random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
-        if len(random_rows) == len(rows):  # (the usual batch: no argmax to overwrite)
+        if random_rows and len(random_rows) == len(rows):  # (no argmax to overwrite)
             chosen = self._draw(logits, rows)
         else:
             chosen = _argmax(logits)
-        if random_rows and len(random_rows) < len(rows):
-            idx = torch.tensor(random_rows, device=logits.device)
-            chosen[idx] = self._draw(logits[idx], [rows[i] for i in random_rows])
+            if random_rows:
+                idx = torch.tensor(random_rows, device=logits.device)
+                chosen[idx] = self._draw(logits[idx], [rows[i] for i in random_rows])
         token_ids = chosen.tolist()
         # The chosen token's logprob (cumulative_logprob) for rows that asked for logprobs or
         # rank samples (best_of > n), as vLLM does: a logsumexp over the vocabulary is a
