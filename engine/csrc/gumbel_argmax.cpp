@@ -37,15 +37,9 @@ constexpr float kNoiseError = 1e-4f;
 
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
-inline v8u fmix32(v8u h) {
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  return h ^ (h >> 16);
-}
-
-inline uint32_t fmix32(uint32_t h) {
+// murmur3's finaliser, on one hash (uint32_t) or eight (v8u).
+template <typename U>
+inline U fmix32(U h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
