@@ -7,8 +7,9 @@ noise is -log(-log(u)), computed in double and rounded to float32. The CPU and t
 
 The draw is argmax(logits + noise). On the CPU it runs in C++ (engine/csrc/gumbel_argmax.cpp)
 without making the whole noise: a float32 estimate of every token's sum, then the exact noise of
-the few tokens the estimate leaves in contention. It picks the token the full noise picks (the
-tests hold it to that); the two double logs per token it skips were most of a step's sampling.
+the few tokens the estimate leaves in contention, with the C library's log (math.log's: the
+documented definition). It picks the token the full noise picks (the tests hold it to that);
+the two double logs per token it skips were most of a step's sampling.
 """
 
 from __future__ import annotations
