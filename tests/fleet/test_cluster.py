@@ -29,7 +29,6 @@ from tests.harness.fleet import (
     WorkerProcess,
     as_expected,
     freeze_when,
-    pending_of,
     reply_events,
     streamed_tokens,
     wait_for,
@@ -191,7 +190,9 @@ def test_kill_9_and_reclaim_on_a_cluster_run_each_job_once(
     prompts = corpus(3, seed=23)
     with Client(nodes.url) as client:
         jobs = [client.submit(p, params, model="tiny") for p in prompts]
-        freeze_when(victim, lambda: pending_of(nodes, victim.name) == 3,  # type: ignore[arg-type]
+        key = Keys().jobs("tiny")  # (its node's client made once: one round trip a poll)
+        node = nodes.owner(key).client()
+        freeze_when(victim, lambda: node.xpending(key, Keys().group)["pending"] == 3,
                     "the worker holding the jobs")
         assert not any(e["type"] == "done" for j in jobs for e in reply_events(
             nodes, j.id)), "a job ended before its worker stopped"  # type: ignore[arg-type]

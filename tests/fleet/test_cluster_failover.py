@@ -20,7 +20,6 @@ from tests.harness.fleet import (
     WorkerFactory,
     WorkerProcess,
     freeze_when,
-    pending_of,
     reply_events,
     streamed_tokens,
     wait_for,
@@ -176,8 +175,8 @@ def test_a_slot_migrated_mid_stream_with_its_worker_killed(fleet: Fleet, tiny_ll
     prompts = corpus(3, seed=33)
     with Client(fleet.nodes.url) as client:
         jobs = [client.submit(p, LONG, model=b) for p in prompts]
-        victim = fleet.workers[b]
-        freeze_when(victim, lambda: pending_of(fleet.nodes, victim.name, b) == 3,  # type: ignore[arg-type]
+        node, key = source.client(), KEYS.jobs(b)  # (one round trip a poll: the window is short)
+        freeze_when(fleet.workers[b], lambda: node.xpending(key, KEYS.group)["pending"] == 3,
                     "the worker holding the jobs")
         assert not any(ended(fleet, job) for job in jobs), "a job ended before its worker stopped"
         fleet.workers[b].kill9()
