@@ -13,6 +13,7 @@ import itertools
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -189,11 +190,13 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._groups)
 
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False,
+             on_forward: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One engine step. Returns an output for every request that progressed (or, with
         `finished_only`, for those that finished: the offline LLM needs no partial outputs).
         With delta outputs, a request that progressed without anything new to hand out (a
-        prefill chunk, text held back) has no output this step."""
+        prefill chunk, text held back) has no output this step. `on_forward` is called once
+        the model has run, before sampling (the worker sends its next read there)."""
         if self.structured.pending:
             self._admit_compiled()
         spec, sc = self.speculator, self.scheduler
@@ -205,6 +208,8 @@ class Engine:
             if spec and proposals:  # (none: a step as without speculation)
                 spec.fill(batch)
             logits = self._run(batch)
+            if on_forward is not None:
+                on_forward()
             sampled = spec.sample(batch, logits, self.step_sampler) if spec and proposals \
                 else self.step_sampler(batch, logits)
             for group in self.scheduler.update(sched, sampled):

@@ -3,7 +3,9 @@
 One iteration: take the writer's feedback (finished writes, entries reclaimed from us) -> apply
 cancels and deadlines -> read at most `free capacity` new entries (and, every reclaim_interval,
 claim dead workers' entries) -> engine.step() -> hand the step's events to the writer thread,
-which writes them in one pipelined round trip while the next step runs.
+which writes them in one pipelined round trip while the next step runs. While the engine runs,
+the next iteration's read is sent as soon as the model has run, and its answer taken at the
+start of that iteration (worker/reader.py): its round trip overlaps the sampling.
 
 Ownership: an entry is "held" (worker/held.py, which also ends attempts) from the read/claim
 until its finish write (terminal event + XACK, fenced in Lua) is done; held entries never exceed
@@ -84,7 +86,8 @@ class Worker:
         self.stop_requested = threading.Event()
         self.counters = {"admitted": 0, "completed": 0, "rejected": 0, "reclaimed": 0,
                          "lost": 0, "cancelled": 0, "handed_back": 0, "engine_failures": 0,
-                         "culprits": 0, "steps": 0}
+                         "culprits": 0, "steps": 0,
+                         "read_ahead": 0}  # (entries that came in through a read sent ahead)
         self.held = Held(engine, self.keys, self.me, self.writer, self.metrics, self.counters)
         self.quarantine = Quarantine(self)  # engine.step() raised: find the job(s) at fault
         self._stats: dict[str, Any] = {}
@@ -127,6 +130,7 @@ class Worker:
         try:
             while not self.stop_requested.is_set():
                 self._iteration(reading=True)
+            self._admit(self.reader.collect() or [])  # (a read sent ahead: run or hand back)
             self._drain()
         except EngineBroken as exc:  # not a job's fault: other workers reclaim our jobs
             log.critical("the engine is broken: %s; exiting with status %d, this worker's %d "
@@ -178,7 +182,7 @@ class Worker:
             self._read_new()
         if self.engine.has_unfinished():
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(on_forward=self._read_ahead if reading else None)
             except Exception as exc:  # a bad job never stops the worker: find it, end it
                 self.quarantine.isolate(exc)
             else:
@@ -213,7 +217,19 @@ class Worker:
     def _capacity(self) -> int:
         return free_capacity(self.max_num_seqs, len(self.held), self._stats)
 
+    def _read_ahead(self) -> None:
+        """The model has run (the engine samples next): send the next iteration's read, for
+        the capacity the engine leaves now."""
+        if not self.stop_requested.is_set():
+            self._stats = self.engine.stats()
+            self.reader.send(self._capacity())
+
     def _read_new(self) -> None:
+        # The read sent during the last step first: an entry in it is not an orphan.
+        ahead = self.reader.collect()
+        if ahead:
+            self.counters["read_ahead"] += len(ahead)
+            self._admit(ahead)
         capacity = self._capacity()
         now = time.monotonic()
         if now >= self._next_reclaim or self.reader.failed:
@@ -230,10 +246,12 @@ class Worker:
                 capacity -= len(orphans)
             if capacity > 0:
                 capacity -= self._claim(include_self=False, count=capacity)
-        # Running requests: take what is there and step on. Nothing to run: wait in Redis for
-        # work, briefly while finish writes are in flight (their acks free capacity), rather
-        # than spinning on empty reads.
+        # Running requests: take what is there and step on (the read sent ahead took it).
+        # Nothing to run: wait in Redis for work, briefly while finish writes are in flight
+        # (their acks free capacity), rather than spinning on empty reads.
         if self.engine.has_unfinished():
+            if ahead is not None:
+                return
             block_ms: int | None = None
         else:
             block_ms = min(_BUSY_BLOCK_MS, self.cfg.block_ms) if self.held.finishing \

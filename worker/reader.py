@@ -8,6 +8,12 @@ than its share of the capacity, so a read never returns more entries than there 
 a Redis Cluster a sharded model's streams span slots, which one command may not: the worker then
 blocks briefly on one shard at a time, in turn.)
 
+While the engine runs, the loop sends the next read as soon as the model has run (`send`) and
+takes its answer at the next iteration (`collect`): the round trip overlaps the step's sampling
+and hand-out instead of adding to every step, and a job that arrived during the forward pass is
+still in it. (One shard on one server only: a cluster's or a sharded model's reads stay as
+above.)
+
 Blocking reads use a connection of their own whose socket timeout is above the BLOCK time. A
 lost connection never raises out of here: reads back off (and say so) while the engine keeps
 stepping; a missing consumer group (Redis lost its data, or the stream's TTL ran out) is
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -68,18 +75,67 @@ class JobReader:
         self._next_read = 0.0
         self._backoff = 0.05
         self.failed = False  # a read failed since the loop last looked for orphans
+        # A read sent ahead (`send`): the connection its answer will come on, until `collect`.
+        self.can_send_ahead = len(self.groups) == 1 and not parse(cfg.redis_url).is_cluster
+        self._ahead: redis.connection.Connection | None = None
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` new entries (deliveries = 1); waits up to `block_ms` for the first
         (None: returns at once)."""
-        block = block_ms is not None
-        now = time.monotonic()
-        if count <= 0 or now < self._next_read:
+        if count <= 0 or time.monotonic() < self._next_read:
             return []
-        try:
+
+        def attempt() -> list[Entry]:
             entries = self._read_lanes(count)
-            if not entries and block:
-                entries = self._block(count, block_ms)
+            return entries if entries or block_ms is None else self._block(count, block_ms)
+
+        return self._guarded(attempt, block=block_ms is not None)
+
+    def send(self, count: int) -> None:
+        """Send a read of up to `count` new entries without waiting for its answer (none while
+        one is in flight, or while reads back off). `collect` takes the answer."""
+        if (not self.can_send_ahead or self._ahead is not None or count <= 0
+                or time.monotonic() < self._next_read):
+            return
+        keys = [self.streams[i] for i in self.groups[0]]
+        pool = self.read_conn.connection_pool
+
+        def attempt() -> list[Entry]:
+            conn = pool.get_connection()
+            try:
+                conn.send_command("EVALSHA", self.read_script.sha, len(keys), *keys,
+                                  self.keys.group, self.me, count)
+            except BaseException:
+                conn.disconnect()
+                pool.release(conn)
+                raise
+            self._ahead = conn
+            return []
+
+        self._guarded(attempt, block=False)
+
+    def collect(self) -> list[Entry] | None:
+        """The entries of the read `send` sent; None when there was none (or Redis had lost
+        the read script: then nothing was read, and a plain read loads the script again)."""
+        conn, self._ahead = self._ahead, None
+        if conn is None:
+            return None
+        pool = self.read_conn.connection_pool
+        try:
+            return self._guarded(lambda: self._lane_entries(self.groups[0], conn.read_response()),
+                                 block=False)
+        except redis.exceptions.NoScriptError:
+            return None
+        finally:
+            pool.release(conn)  # (read_response disconnects it on an error)
+
+    def _guarded(self, attempt: Callable[[], list[Entry]], block: bool) -> list[Entry]:
+        """`attempt()`, or [] when Redis failed it: a lost connection backs the reads off
+        (sleeping through the backoff when the caller meant to block), a lost group is made
+        again."""
+        now = time.monotonic()
+        try:
+            entries = attempt()
             self._backoff = 0.05
         except RETRYABLE as exc:
             # Redis may have handed us entries whose reply never arrived: Loop adopts them.
@@ -113,10 +169,14 @@ class JobReader:
             group = self.groups[(self._turn + k) % len(self.groups)]
             got: Any = self.read_script(keys=[self.streams[i] for i in group],
                                         args=[self.keys.group, self.me, count - len(out)])
-            for n, items in got or []:
-                stream = group[int(n) - 1]
-                out += [(ref(stream, as_str(eid)), _pairs(flat), 1) for eid, flat in items]
+            out += self._lane_entries(group, got)
         return out
+
+    @staticmethod
+    def _lane_entries(group: list[int], got: Any) -> list[Entry]:
+        """READ_LUA's answer over the streams `group` -> entries."""
+        return [(ref(group[int(n) - 1], as_str(eid)), _pairs(flat), 1)
+                for n, items in got or [] for eid, flat in items]
 
     def _block(self, count: int, block_ms: int | None) -> list[Entry]:
         """Wait up to `block_ms` for entries in any lane. XREADGROUP's COUNT is per stream: each

@@ -123,6 +123,25 @@ def test_cancel_mid_generation_frees_blocks_and_ends_with_cancelled(
     assert idle["num_free_blocks"] == idle["num_total_blocks"]
 
 
+def test_jobs_enqueued_while_the_engine_runs_come_in_through_the_read_sent_ahead(
+        server: RedisServer, worker: WorkerProcess) -> None:
+    client = Client(server.url)
+    before = heartbeat(server)
+    running = client.submit("the quick brown", {"temperature": 0, "max_tokens": 4000,
+                                                "ignore_eos": True}, model="tiny")
+    stream = running.stream(timeout=60)
+    assert [next(stream)["type"], next(stream)["type"]] == ["started", "tokens"]
+    short = [client.submit(f"prompt {i}", {"temperature": 0, "max_tokens": 4, "ignore_eos": True},
+                           model="tiny") for i in range(3)]
+    assert [len(job.result(timeout=600)["outputs"][0]["token_ids"]) for job in short] == [4] * 3
+    running.cancel()
+    with pytest.raises(JobError):
+        running.result(timeout=60)
+    after = wait_for(lambda: (hb := heartbeat(server))["cancelled"] == before["cancelled"] + 1
+                     and hb["held"] == 0 and hb, what="a heartbeat after the cancel")
+    assert after["read_ahead"] - before["read_ahead"] == 3  # none came through a plain read
+
+
 def test_a_job_cancelled_before_any_worker_read_it_ends_cancelled(
         server: RedisServer, worker: WorkerProcess) -> None:
     client = Client(server.url)
