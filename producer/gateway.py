@@ -125,6 +125,7 @@ class Gateway:
                 *(self.redis.cancel(job_id, model) for job_id, model in due)), timeout=2.0)
         if self.hub is not None:
             await self.hub.close()
+        await self.fleet.close()
         await self.redis.close()
 
     # ------------------------------------------------------------------ submission

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Coroutine, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -91,12 +91,16 @@ class GatewayRedis:
 
 
 class FleetView:
-    """Live workers' models (from heartbeats, cached for a second) and queue depths.
+    """Live workers' models (from heartbeats) and queue depths, read for the requests: no
+    request waits on Redis for either unless it is about to be refused.
 
-    A request is admitted against a count of its model's queue at most `depth_cache_s` old plus
-    what this gateway admitted since, counted by one read however many requests ask meanwhile
-    (a flood costs Redis a read per interval, not one per request); it is refused only on a
-    count read for it, so a queue that drained admits at once."""
+    The live models are re-read once the last read is `cache_s` old, in the background: the
+    requests meanwhile go by that last read, and one whose model is not in it waits for a
+    fresh one before its 404 or 503. A request is admitted against the last count of its
+    model's queue plus what this gateway admitted since; a count `depth_cache_s` old is
+    replaced by a new one, read in the background, one at a time however many requests ask (a
+    flood costs Redis a read per interval, not one per request). A request that the last count
+    would refuse waits for a fresh count, so a queue that drained admits at once."""
 
     def __init__(self, conn: aioredis.Redis, keys: Keys, cache_s: float = 1.0,
                  depth_cache_s: float = 0.1) -> None:
@@ -110,17 +114,39 @@ class FleetView:
         # model -> [depth counted + admitted since, when counted]; the count in flight
         self._depths: dict[str, list[float]] = {}
         self._counting: dict[str, asyncio.Future[None]] = {}
+        self._reading_models: asyncio.Future[None] | None = None
+
+    async def close(self) -> None:
+        """Stop the reads under way (before the connection closes)."""
+        tasks = [t for t in (self._reading_models, *self._counting.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def live_models(self, fresh: bool = False) -> dict[str, int]:
-        """{served model name: number of live workers}."""
-        if not fresh and time.monotonic() - self._models_at < self.cache_s:
-            return self._models
-        values = await heartbeats_async(self.conn, self.keys)
-        models: dict[str, int] = {}
-        for model, _name, _info in values:
-            models[model] = models.get(model, 0) + 1
-        self._models, self._models_at = models, time.monotonic()
-        return models
+        """{served model name: number of live workers}: as last read (a read older than cache_s
+        starts a new one), or as read now when `fresh` or never read."""
+        if fresh or self._models_at < 0:
+            await asyncio.shield(self._read_models())
+        elif time.monotonic() - self._models_at >= self.cache_s:
+            self._read_models()
+        return self._models
+
+    def _read_models(self) -> asyncio.Future[None]:
+        """The read of the live models under way, or a new one."""
+        if self._reading_models is None:
+            self._reading_models = _started(self._models_now())
+        return self._reading_models
+
+    async def _models_now(self) -> None:
+        try:
+            values = await heartbeats_async(self.conn, self.keys)
+            models: dict[str, int] = {}
+            for model, _name, _info in values:
+                models[model] = models.get(model, 0) + 1
+            self._models, self._models_at = models, time.monotonic()
+        finally:
+            self._reading_models = None
 
     async def queue_depth(self, model: str) -> int | None:
         """Jobs of the model not finished, over its shards' priority lanes: waiting
@@ -155,7 +181,8 @@ class FleetView:
             self.keys.jobs(model)
         except ProtocolError as exc:
             raise GatewayError(404, exc.message, param="model", code="model_not_found") from None
-        if model not in await self.live_models():
+        if model not in await self.live_models() and model not in await self.live_models(
+                fresh=True):
             depth = await self.queue_depth(model)
             if depth is None:
                 raise GatewayError(404, f"the model {model!r} does not exist: no live worker "
@@ -163,24 +190,29 @@ class FleetView:
                                    code="model_not_found")
             raise GatewayError(503, f"no live worker serves {model!r} right now; retry later",
                                type_="server_error", code="no_worker")
-        depth = await self._recent_depth(model, fresh=False)
-        if depth + num_sequences > max_queue_depth:
-            depth = await self._recent_depth(model, fresh=True)
+        depth = self._recent_depth(model)
+        if depth is None or depth + num_sequences > max_queue_depth:
+            await asyncio.shield(self._counted(model))  # (one that goes away leaves it to the rest)
+            depth = int(self._depths[model][0])
         check_queue_room(model, depth, num_sequences, max_queue_depth)
         self._depths[model][0] += num_sequences  # (admitted: counted until the next read)
 
-    async def _recent_depth(self, model: str, fresh: bool) -> int:
-        """The model's queue depth as last counted plus what was admitted since; counted anew
-        when `fresh` or older than depth_cache_s (joining a count already under way)."""
+    def _recent_depth(self, model: str) -> int | None:
+        """The model's queue depth as last counted plus what was admitted since (None: never
+        counted); a count older than depth_cache_s starts a new one."""
         known = self._depths.get(model)
-        if not fresh and known is not None \
-                and time.monotonic() - known[1] < self.depth_cache_s:
-            return int(known[0])
+        if known is None:
+            return None
+        if time.monotonic() - known[1] >= self.depth_cache_s:
+            self._counted(model)
+        return int(known[0])
+
+    def _counted(self, model: str) -> asyncio.Future[None]:
+        """The count of the model's queue under way, or a new one."""
         task = self._counting.get(model)
         if task is None:
-            task = self._counting[model] = asyncio.ensure_future(self._count(model))
-        await asyncio.shield(task)  # (a request that goes away leaves the count to the rest)
-        return int(self._depths[model][0])
+            task = self._counting[model] = _started(self._count(model))
+        return task
 
     async def _count(self, model: str) -> None:
         started = time.monotonic()
@@ -188,6 +220,14 @@ class FleetView:
             self._depths[model] = [await self.queue_depth(model) or 0, started]
         finally:
             self._counting.pop(model, None)
+
+
+def _started(read: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+    """A read as a task that requests may wait for or not: when none does, its failure (Redis
+    down) is left for the next read to meet, not logged as never retrieved."""
+    task = asyncio.ensure_future(read)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
 
 _ENTRY_ID_RE = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")

@@ -142,6 +142,56 @@ def test_a_flood_is_admitted_against_one_count_of_the_queue_and_refused_on_a_fre
     assert five == ["ok"] * 4 + ["queue_full"] and third == [None, None, 5]
 
 
+def test_no_request_waits_on_a_stale_read_of_the_fleet(redis_server: RedisServer) -> None:
+    """Every read is stale at once here (cache_s = depth_cache_s = 0): a request is answered
+    from the last read of the live models and the last count of the queue while a new read
+    runs behind it; a model missing from the last read is looked up again before a refusal."""
+    serve_tiny(redis_server)
+
+    async def scenario() -> list[Any]:
+        app = create_app(GatewayConfig(redis_url=redis_server.url))
+        fleet = app.state.gateway.fleet
+        fleet.cache_s = fleet.depth_cache_s = 0.0
+        counted = fleet.queue_depth
+        reads: list[int | None] = []
+
+        async def queue_depth(model: str) -> int | None:
+            reads.append(await counted(model))
+            return reads[-1]
+
+        fleet.queue_depth = queue_depth
+        try:
+            first = dict(await fleet.live_models())  # never read: read now
+            conn = redis_server.client()
+            register_heartbeat(conn, "tiny", "w2", encode_heartbeat({"model": "tiny"}), ex=600)
+            register_heartbeat(conn, "other", "w3", encode_heartbeat({"model": "other"}), ex=600)
+            stale = dict(await fleet.live_models())  # the last read; a new one starts
+            await fleet.require_model("other", 10)  # not in the last read: read again, found
+            await fleet.require_model("tiny", 10)  # (both never counted: counted now)
+            for _ in range(3):
+                conn.xadd(JOBS, {"v": 2, "job": b"held"})
+            await fleet.require_model("tiny", 3)  # 1 admitted since the count: admitted at once
+            at_once = list(reads)
+            await wait_async(lambda: len(reads) == 3)  # the count started behind that request
+            return [first, stale, dict(await fleet.live_models()), at_once, list(reads)]
+        finally:
+            await app.state.gateway.fleet.close()
+            await app.state.gateway.redis.close()
+
+    first, stale, fresh, at_once, reads = asyncio.run(scenario())
+    assert first == stale == {"tiny": 1}
+    assert fresh == {"tiny": 2, "other": 1}
+    assert at_once == [None, None] and reads == [None, None, 3]  # (None: no stream yet)
+
+
+async def wait_async(predicate: Any, timeout: float = 120.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
 @pytest.fixture
 def gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[GatewayProcess]:
     serve_tiny(redis_server)
