@@ -22,7 +22,15 @@ import redis
 
 from producer.connection import RETRYABLE
 from producer.protocol import as_str
-from worker.batch import Batch, EventWrite, FinishWrite, finish_args, finish_keys, merge
+from worker.batch import (
+    Batch,
+    EventWrite,
+    FinishWrite,
+    finish_args,
+    finish_keys,
+    first_tokens_first,
+    merge,
+)
 from worker.event_calls import EventsCall, Fence, by_stream, event_calls, raw_finish
 from worker.scripts import Scripts
 from worker.streams import JobStream, ref, split_ref
@@ -130,6 +138,7 @@ class Writer(threading.Thread):
         """Write `batches` (queued in this order) as one, retrying until Redis takes them."""
         merged = merge(batches)
         if merged:
+            merged.events = first_tokens_first(merged.events)
             self._write_until_done(merged)
 
     def _write_until_done(self, batch: Batch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import msgpack
 import pytest
@@ -10,9 +11,17 @@ import redis
 
 from producer.events import encode_event, error_event, started_event, tokens_event
 from producer.protocol import as_str
-from tests.harness.fleet import RedisServer
+from tests.harness.fleet import RedisServer, wait_for
 from tests.harness.writer import FENCED, JOBS, KEYS, STREAMS, events_of, setup_group
-from worker.batch import Batch, EventWrite, FinishWrite, coalesce, finish_args, finish_keys
+from worker.batch import (
+    Batch,
+    EventWrite,
+    FinishWrite,
+    coalesce,
+    finish_args,
+    finish_keys,
+    first_tokens_first,
+)
 from worker.io_thread import Writer
 from worker.scripts import DEAD_LETTER_MAXLEN, FENCE_TTL_S, Scripts, reclaim_call
 
@@ -36,6 +45,44 @@ def test_coalesce_never_joins_a_gap_or_another_attempt() -> None:
     events = [tokens_event(1, 0, 0, [1], "a"), tokens_event(1, 0, 2, [3], "c"),
               tokens_event(2, 0, 3, [4], "d")]
     assert coalesce([EventWrite("1-0", 1, "r", events)])[0].events == events
+
+
+def test_writes_that_begin_a_sequence_go_first_and_the_rest_keep_their_order() -> None:
+    writes = [EventWrite("1-0", 1, "a", [tokens_event(1, 0, 4, [1], "a")]),
+              EventWrite("2-0", 1, "b", [started_event(1, "w"), tokens_event(1, 0, 0, [2], "b")]),
+              EventWrite("3-0", 1, "c", [tokens_event(1, 0, 9, [3], "c")]),
+              EventWrite("4-0", 1, "d", [tokens_event(1, 0, 2, [4], "d"),
+                                          tokens_event(1, 1, 0, [5], "e")]),
+              EventWrite("5-0", 1, "e", [started_event(1, "w")])]
+    assert [w.entry_id for w in first_tokens_first(writes)] == ["2-0", "4-0", "1-0", "3-0", "5-0"]
+    assert first_tokens_first(writes[2:3]) == writes[2:3]
+
+
+def test_a_reader_blocked_on_many_reply_streams_wakes_with_the_one_getting_its_first_tokens(
+        redis_server: RedisServer) -> None:
+    """Redis 7.0 answers a blocked XREAD with the one stream whose write woke it (7.2 and later
+    with all): a stream's first tokens are written before the other streams' tokens of the step,
+    so the gateway's hub has them from the read it has in flight."""
+    a, b = setup_group(redis_server, "me", 2)
+    conn = redis_server.client()
+    ra, rb = KEYS.reply("j0"), KEYS.reply("j1")
+    writer = Writer(conn, STREAMS, "workers", "me", reply_ttl=60, dead_ttl=60)
+    writer.start()
+    writer.submit(Batch(events=[EventWrite(a, 1, ra, [tokens_event(1, 0, 0, [5], "x")])]))
+    writer.flush()
+    woken: list[str] = []
+    reader = threading.Thread(target=lambda: woken.extend(
+        as_str(key) for key, _ in redis_server.client().xread({ra: "$", rb: "$"}, block=120_000)))
+    reader.start()
+    wait_for(lambda: conn.info("clients")["blocked_clients"] == 1, what="the XREAD blocked")
+    writer.submit(Batch(events=[
+        EventWrite(a, 1, ra, [tokens_event(1, 0, 1, [6], "y")]),
+        EventWrite(b, 1, rb, [started_event(1, "me"), tokens_event(1, 0, 0, [7], "z")])]))
+    writer.flush()
+    reader.join()
+    writer.stop()
+    assert rb in woken
+    assert [e["pos"] for e in events_of(redis_server, "j0")] == [0, 1]
 
 
 def test_writes_to_an_entry_another_worker_claimed_are_refused(redis_server: RedisServer) -> None:
