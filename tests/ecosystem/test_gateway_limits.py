@@ -92,6 +92,19 @@ def test_prompts_times_n_count_against_the_queue_depth(redis_server: RedisServer
     assert redis_server.client().xlen(JOBS) == 1
 
 
+def counted_reads(fleet: Any) -> list[int | None]:
+    """The counts of the queue the gateway's FleetView reads from now on, in order."""
+    counted = fleet.queue_depth
+    reads: list[int | None] = []
+
+    async def queue_depth(model: str) -> int | None:
+        reads.append(await counted(model))
+        return reads[-1]
+
+    fleet.queue_depth = queue_depth
+    return reads
+
+
 def test_a_flood_is_admitted_against_one_count_of_the_queue_and_refused_on_a_fresh_one(
         redis_server: RedisServer) -> None:
     """40 requests at once cost one count of the queue, not 40; what was admitted counts
@@ -105,14 +118,7 @@ def test_a_flood_is_admitted_against_one_count_of_the_queue_and_refused_on_a_fre
         app = create_app(GatewayConfig(redis_url=redis_server.url))
         fleet = app.state.gateway.fleet
         fleet.depth_cache_s = 600.0  # (no count falls due by age within the test)
-        counted = fleet.queue_depth
-        reads: list[int | None] = []
-
-        async def queue_depth(model: str) -> int | None:
-            reads.append(await counted(model))
-            return reads[-1]
-
-        fleet.queue_depth = queue_depth
+        reads = counted_reads(fleet)
 
         async def admit(cap: int) -> str:
             try:
@@ -152,14 +158,7 @@ def test_no_request_waits_on_a_stale_read_of_the_fleet(redis_server: RedisServer
         app = create_app(GatewayConfig(redis_url=redis_server.url))
         fleet = app.state.gateway.fleet
         fleet.cache_s = fleet.depth_cache_s = 0.0
-        counted = fleet.queue_depth
-        reads: list[int | None] = []
-
-        async def queue_depth(model: str) -> int | None:
-            reads.append(await counted(model))
-            return reads[-1]
-
-        fleet.queue_depth = queue_depth
+        reads = counted_reads(fleet)
         try:
             first = dict(await fleet.live_models())  # never read: read now
             conn = redis_server.client()

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 import redis
 
 from producer.lanes import lane_keys
@@ -20,14 +17,6 @@ from worker.streams import WorkerKeys, ref
 
 KEYS = Keys()
 DEFAULT, HIGH, LOW = lane_keys(KEYS, "ahead")  # stream indexes 0, 1, 2
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def reader_of(server: RedisServer) -> JobReader:
