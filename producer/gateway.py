@@ -39,14 +39,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from producer import connection
 from producer import openai_schema as oa
 from producer.client import make_job_spec
+from producer.fleet_view import FleetView
 from producer.gateway_async import ClientGone, anext_or_none, chain, watch_disconnect
-from producer.gateway_fleet import (
-    FleetView,
-    GatewayRedis,
-    JobReader,
-    check_last_event_id,
-    error_status,
-)
+from producer.gateway_fleet import GatewayRedis, JobReader, check_last_event_id, error_status
 from producer.gateway_hub import ReplyHub
 from producer.gateway_limits import check_prompt_count
 from producer.limits import Limits, check_job_bytes, check_limits
