@@ -8,7 +8,10 @@ on the same model under the same served name: random prompts of --input-len toke
 once). It prints request and output throughput, TTFT, TPOT and ITL (mean and p99), failed
 requests, and each side's CPU seconds per output token: the HTTP front alone (genq's gateway,
 vLLM's API server process) and everything (genq: gateway + worker + redis-server; vLLM: the API
-server and its engine process). Nothing is asserted here.
+server and its engine process). After the rounds it prints each side's TTFT percentiles over
+the requests of all rounds together: a p99 of one round's 200 requests is its second-slowest
+request, which one stall of a shared host moves; pooled over four rounds it is the eighth.
+Nothing is asserted here.
 
     python -m benchmarks.serving_vs_vllm [--model models/genq-tiny-stdlib] [--rates inf,20]
         [--num-prompts 200] [--rounds 2] [--json out.json] [--skip-vllm]
@@ -31,6 +34,7 @@ from typing import Any
 import httpx
 
 from benchmarks.chart import save_bars
+from benchmarks.demo import percentile
 from benchmarks.fleet_vs_celery import REPO, free_port, start_redis, stop_all, wait_until
 
 TOOLS = Path("/work/shared/tools")
@@ -120,7 +124,7 @@ def bench(base: str, model: Path, rate: str, args: argparse.Namespace, out: Path
            str(args.output_len), "--ignore-eos", "--num-prompts", str(args.num_prompts),
            "--request-rate", rate, "--seed", "0", "--percentile-metrics", "ttft,tpot,itl",
            "--metric-percentiles", "99", "--save-result", "--result-dir", str(out.parent),
-           "--result-filename", out.name, "--disable-tqdm"]
+           "--result-filename", out.name, "--save-detailed", "--disable-tqdm"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}"
@@ -138,6 +142,7 @@ def measured(base: str, model: Path, rate: str, args: argparse.Namespace, out: P
     row = {k: result.get(k) for k in (*METRICS, "completed", "failed", "total_output_tokens")}
     row["front_cpu_ms_per_token"] = 1000 * (after[0] - before[0]) / tokens
     row["all_cpu_ms_per_token"] = 1000 * (after[1] - before[1]) / tokens
+    row["ttfts_ms"] = [1000 * t for t in result.get("ttfts") or [] if t]  # (failed ones: 0)
     return row
 
 
@@ -187,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             report(row, rates, f"round {k + 1} ({' then '.join(order)} at each rate)")
     finally:
         stop_all(procs)
+    if rounds:
+        report_pooled(rounds, rates)
     save_bars("serving_vs_vllm", "output tokens/s, mean of rounds", [
         (f"{side} at rate {rate}", statistics.mean(r[side][rate]["output_throughput"]
                                                     for r in rounds))
@@ -221,6 +228,28 @@ def report(figures: dict[str, Any], rates: list[str], title: str) -> None:
                   f"{g['output_throughput'] / v['output_throughput']:>13.2f}"
                   f"{g['mean_ttft_ms'] / v['mean_ttft_ms']:>13.2f}"
                   f"{g['p99_ttft_ms'] / v['p99_ttft_ms']:>13.2f}")
+
+
+def report_pooled(rounds: list[dict[str, Any]], rates: list[str]) -> None:
+    """TTFT percentiles of every request of every round, per side and rate (numpy's
+    interpolation, as `vllm bench serve` computes its own)."""
+    qs = (50, 90, 99)
+    print(f"TTFT over all {len(rounds)} rounds' requests (ms)")
+    print(f"{'':<16}{'requests':>10}" + "".join(f"{'p' + str(q):>10}" for q in qs)
+          + f"{'max':>10}{'rounds won at p99':>20}")
+    for rate in rates:
+        pooled = {side: [t for r in rounds for t in r[side][rate]["ttfts_ms"]]
+                  for side in rounds[0]}
+        for side, ttfts in pooled.items():
+            print(f"{side + ' @ ' + rate:<16}{len(ttfts):>10}"
+                  + "".join(f"{percentile(ttfts, q):>10.1f}" for q in qs)
+                  + f"{max(ttfts, default=0):>10.1f}")
+        if len(pooled) == 2 and all(pooled.values()):
+            won = sum(r["genq"][rate]["p99_ttft_ms"] <= r["vllm"][rate]["p99_ttft_ms"]
+                      for r in rounds)
+            print(f"{'genq / vllm':<16}{'':>10}" + "".join(
+                f"{percentile(pooled['genq'], q) / percentile(pooled['vllm'], q):>10.2f}"
+                for q in qs) + f"{'':>10}{f'{won} of {len(rounds)}':>20}")
 
 
 if __name__ == "__main__":
