@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -21,6 +21,7 @@ from producer.client import (
 from producer.errors import JobError, ResultExpired
 from producer.events import ClientEvent, DoneEvent
 from producer.protocol import SUBMIT_LUA, JobSpec, as_str, job_model
+from producer.reply_hub import ReplyHub, Subscription
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, result_from_events
 from producer.results import reply_expired_async
 from producer.shards import sharded_job_id
@@ -35,8 +36,18 @@ class AsyncClient(ClientSettings):
     def __init__(self, url: str = DEFAULT_URL, **settings: Any) -> None:
         super().__init__(url, **settings)
         self.redis = connect_async(url)
-        self.blocking_redis = connect_async(url, blocking=True)
+        self.blocking_redis = connect_async(url, blocking=True)  # (a cluster's job reads)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
+        # Every AsyncJob's reads of its reply stream go through one XREAD: a thousand jobs
+        # streamed at once hold one connection, not a thousand (made by the first read, in the
+        # event loop; none on a cluster, where each job reads its own stream).
+        self._hub: ReplyHub | None = None
+        self._hub_wanted = not connection.parse(url).is_cluster
+
+    def hub(self) -> ReplyHub | None:
+        if self._hub is None and self._hub_wanted:
+            self._hub = ReplyHub(self.url)
+        return self._hub
 
     async def submit(self, prompt: Prompt | None = None, params: dict[str, Any] | None = None,
                      *, model: str, messages: Messages | None = None, job_id: str | None = None,
@@ -125,6 +136,9 @@ class AsyncClient(ClientSettings):
         await pipe.execute()
 
     async def close(self) -> None:
+        if self._hub is not None:
+            await self._hub.close()
+            self._hub = None
         await self.redis.aclose()
         await self.blocking_redis.aclose()
 
@@ -165,25 +179,48 @@ class AsyncJob:
         return result_from_events(self.id, reader.terminal)
 
     async def _read(self, reader: ReplyReader) -> AsyncIterator[tuple[str, ClientEvent]]:
-        """Job._read's mirror."""
-        conn = self.client.blocking_redis
-        while True:
-            try:
-                resp = await conn.xread({self.reply_key: reader.cursor}, count=REPLY_READ_COUNT,
-                                        block=reader.block_ms(time.monotonic()))
-            except connection.RETRYABLE:
-                await asyncio.sleep(reader.read_failed(time.monotonic()))
-            else:
-                for item in reader.feed(_entries(resp)):
+        """Job._read's mirror. With the client's hub, what is already in the stream is read at
+        once (reads that do not block), then the job waits on the hub from where it got to
+        (the hub retries a failed read itself); without one, each read blocks on its own
+        connection."""
+        hub = self.client.hub()
+        sub: Subscription | None = None
+        try:
+            while True:
+                for item in await self._next(reader, hub, sub):
                     yield item
-            if reader.finished:
-                return
-            if reader.expiry_check_due(time.monotonic()) and await reply_expired_async(
-                    self.client.redis, self.client.keys.idem(self.id, self.model or None),
-                    self.reply_key):
-                raise ResultExpired(self.id)
-            if reader.timed_out(time.monotonic()):
-                raise reader.timeout_error(self.id)
+                if reader.finished:
+                    return
+                if reader.expiry_check_due(time.monotonic()) and await reply_expired_async(
+                        self.client.redis, self.client.keys.idem(self.id, self.model or None),
+                        self.reply_key):
+                    raise ResultExpired(self.id)
+                if reader.timed_out(time.monotonic()):
+                    raise reader.timeout_error(self.id)
+                if hub is not None and sub is None and reader.caught_up:
+                    sub = hub.subscribe(self.reply_key, reader.cursor)
+        finally:
+            if hub is not None and sub is not None:
+                hub.unsubscribe(sub)
+
+    async def _next(self, reader: ReplyReader, hub: ReplyHub | None,
+                    sub: Subscription | None) -> Iterable[tuple[str, ClientEvent]]:
+        """One read's events (decoded as they are taken, advancing the reader's cursor)."""
+        block_ms = reader.block_ms(time.monotonic())
+        if hub is not None and sub is not None:
+            entries = await hub.next(sub, block_ms / 1000)
+            return reader.feed(entries, caught_up=not sub.behind)
+        try:
+            if hub is None:
+                resp = await self.client.blocking_redis.xread(
+                    {self.reply_key: reader.cursor}, count=REPLY_READ_COUNT, block=block_ms)
+            else:
+                resp = await self.client.redis.xread({self.reply_key: reader.cursor},
+                                                     count=REPLY_READ_COUNT)
+        except connection.RETRYABLE:
+            await asyncio.sleep(reader.read_failed(time.monotonic()))
+            return ()
+        return reader.feed(_entries(resp))
 
     async def cancel(self) -> None:
         await self.client.cancel(self.id, self.model or None)

@@ -42,12 +42,12 @@ from producer.client import make_job_spec
 from producer.fleet_view import FleetView
 from producer.gateway_async import ClientGone, anext_or_none, chain, watch_disconnect
 from producer.gateway_fleet import GatewayRedis, JobReader, check_last_event_id, error_status
-from producer.gateway_hub import ReplyHub
 from producer.gateway_limits import check_prompt_count
 from producer.limits import Limits, check_job_bytes, check_limits
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
 from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, encode_job_entry
+from producer.reply_hub import ReplyHub
 
 JOB_ID_HEADER = "Genq-Job-Id"
 RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume

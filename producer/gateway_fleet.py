@@ -22,7 +22,6 @@ from redis import TimeoutError as RedisTimeoutError
 from producer.client import DEFAULT_CANCEL_TTL, DEFAULT_IDEMPOTENCY_TTL, DEFAULT_STREAM_TTL
 from producer.connection import connect_async
 from producer.events import ClientEvent, DoneEvent
-from producer.gateway_hub import ReplyHub, Subscription
 from producer.lanes import job_stream
 from producer.openai_schema import GatewayError
 from producer.protocol import (
@@ -32,6 +31,7 @@ from producer.protocol import (
     Keys,
     ProtocolError,
 )
+from producer.reply_hub import ReplyHub, Subscription
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, entry_key
 from producer.results import reply_expired_async
 from producer.shards import ShardCounts, sharded_job_id
@@ -161,7 +161,8 @@ class JobReader:
         while True:
             entries = await self._read(sub)
             try:
-                batch = [] if entries is None else list(reader.feed(entries))
+                batch = [] if entries is None else list(reader.feed(
+                    entries, caught_up=None if sub is None else not sub.behind))
             except ProtocolError as exc:  # not a worker's writing: nothing to relay
                 raise GatewayError(502, f"job {self.job_id}: its reply stream holds an entry "
                                    f"that is not a genq event ({exc.message})",

@@ -26,8 +26,9 @@ The rules it owns:
   from 1 s up to 30 s (a job waits in its queue with nothing to read; a stream that expired
   before the reader came is found by the first ask);
 - the deadline counts only once the reader has caught up: a read that returned a full
-  REPLY_READ_COUNT is read on, so a job that ended in time is not reported late for the
-  entries in front of its end;
+  REPLY_READ_COUNT is read on (a shared reader, producer/reply_hub.py, says itself whether
+  it has caught up), so a job that ended in time is not reported late for the entries in
+  front of its end;
 - a failed read waits 50 ms, doubling up to 2 s, never past the deadline; a read that
   succeeds starts the doubling over.
 """
@@ -78,6 +79,7 @@ class ReplyReader:
         self.after = None if after is None else entry_key(after)
         self.replayed: list[ClientEvent] = []  # what the entries up to `after` made
         self._num_read = 0  # entries the last read returned
+        self._caught_up = True  # the last read left nothing unread
         self._backoff = _BACKOFF_FIRST_S
         self._next_expiry_check = -1e18  # (monotonic seconds)
         self._expiry_interval = _EXPIRY_CHECK_FIRST_S
@@ -90,6 +92,11 @@ class ReplyReader:
     def terminal(self) -> TerminalEvent | None:
         """The terminal event that finished the reader (None: not finished)."""
         return None if self.deduper is None else self.deduper.terminal
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether the last read left nothing unread (or failed: nothing can be read on)."""
+        return self._caught_up
 
     @property
     def may_be_expired(self) -> bool:
@@ -115,19 +122,23 @@ class ReplyReader:
         wait = self._backoff if self.end is None else min(self._backoff, max(0.0, self.end - now))
         self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
         self._num_read = 0
+        self._caught_up = True
         return wait
 
     def timed_out(self, now: float) -> bool:
-        return self.end is not None and now >= self.end and self._num_read < REPLY_READ_COUNT
+        return self.end is not None and now >= self.end and self.caught_up
 
     def timeout_error(self, job_id: str) -> TimeoutError:
         return TimeoutError(f"job {job_id}: no terminal event within {self.timeout} s")
 
-    def feed(self, entries: Sequence[Entry]) -> Iterator[tuple[str, ClientEvent]]:
+    def feed(self, entries: Sequence[Entry], caught_up: bool | None = None
+             ) -> Iterator[tuple[str, ClientEvent]]:
         """One read's entries in; (entry id, event) for each event to hand on, decoded as they
         are taken (a ProtocolError from an entry that is not an event comes after the events
-        before it)."""
+        before it). `caught_up`: whether more entries may wait unread (None: a read of up to
+        REPLY_READ_COUNT entries, caught up unless it came back full)."""
         self._num_read = len(entries)
+        self._caught_up = len(entries) < REPLY_READ_COUNT if caught_up is None else caught_up
         self._backoff = _BACKOFF_FIRST_S
         return self._events(entries)
 

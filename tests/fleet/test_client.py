@@ -172,22 +172,42 @@ def test_async_client_mirrors_the_sync_one(redis_server: RedisServer) -> None:
 
 def test_300_jobs_submitted_and_read_at_once_by_an_async_client(
         redis_server: RedisServer) -> None:
-    """More concurrent callers than redis-py 8's default pool cap (100): each submit and each
-    stream's blocking read gets a connection, none is refused with "Too many connections"."""
+    """More concurrent callers than redis-py 8's default pool cap (100): each submit gets a
+    connection, none is refused with "Too many connections"; the 300 streams wait on the
+    client's one shared XREAD, not on a blocked connection each."""
     ids = [f"many-{k}" for k in range(300)]
+    conn = redis_server.client()
 
-    async def scenario() -> list[list[int]]:
+    def blocked_reads() -> int:
+        return sum(c["cmd"] == "xread" and "b" in c["flags"] for c in conn.client_list())
+
+    async def scenario() -> tuple[list[list[int]], tuple[int, int]]:
         async with AsyncClient(redis_server.url) as client:
             jobs = await asyncio.gather(*(client.submit("hi", {"temperature": 0}, model="tiny",
                                                         job_id=i) for i in ids))
             reads = [asyncio.ensure_future(job.result(timeout=60)) for job in jobs]
-            await asyncio.sleep(0.5)  # (every read blocks on its stream, holding a connection)
+            # Each read finds its stream empty, then waits on the hub; readers the hub
+            # superseded as subscriptions came in end with their XREAD's block (1 s).
+            hub = client.hub()
+            assert hub is not None
+            for _ in range(3000):
+                if hub.subscriptions == 300:
+                    break
+                await asyncio.sleep(0.01)
+            blocked = -1
+            for _ in range(300):
+                blocked = await asyncio.to_thread(blocked_reads)
+                if blocked == 1:
+                    break
+                await asyncio.sleep(0.1)
             for k, job_id in enumerate(ids):
                 write(redis_server, job_id, started_event(1, "w"), done(1, [k]))
             results = await asyncio.gather(*reads)
-            return [r["outputs"][0]["token_ids"] for r in results]  # type: ignore[index]
+            return [r["outputs"][0]["token_ids"] for r in results], (hub.subscriptions, blocked)  # type: ignore[index]
 
-    assert asyncio.run(scenario()) == [[k] for k in range(300)]
+    results, (left, blocked) = asyncio.run(scenario())
+    assert results == [[k] for k in range(300)]
+    assert (left, blocked) == (0, 1)  # (every job's subscription ended with its read)
 
 
 def test_text_that_is_not_unicode_is_refused_before_enqueueing(redis_server: RedisServer) -> None:

@@ -1,16 +1,19 @@
-"""One reader of reply streams per gateway process, fanned out to the requests reading them.
+"""One reader of reply streams per process, fanned out to the coroutines reading them.
 
-Each request that reads a job's reply stream subscribes to its key with a cursor of its own; one
-task keeps one XREAD BLOCK in flight over every subscribed key (at the lowest cursor of each)
-and hands each subscription the entries past its cursor. An engine step's tokens for a hundred
-streams then cost one Redis read and one connection, not a hundred of each.
+Each reader of a job's reply stream (a gateway request, an AsyncJob) subscribes to its key with a
+cursor of its own; one task keeps one XREAD BLOCK in flight over every subscribed key (at the
+lowest cursor of each) and hands each subscription the entries past its cursor. An engine step's
+tokens for a hundred streams then cost one Redis read and one connection, not a hundred of each.
 
-A subscription that the XREAD in flight does not cover (a new key, or a resume that reads a
-key from its start) is picked up at once: a new reader generation starts an XREAD over all keys,
-and the older one ends once its XREAD returns, handing nothing over: the newer XREAD was sent
-from cursors no further on, so it reads the same entries (each subscription's cursor drops
-anything it already has). No Redis command beyond XREAD is needed. Of one XREAD's streams, those
-getting their first entries are handed over first.
+A subscription that the XREAD in flight does not cover (a new key, or a key read from before the
+cursor in flight: a resume) is picked up at once: a new reader generation starts an XREAD over
+all keys, and the older one ends once its XREAD returns, handing nothing over: the newer XREAD
+was sent from cursors no further on, so it reads the same entries (each subscription's cursor
+drops anything it already has). No Redis command beyond XREAD is needed. Of one XREAD's
+streams, those getting their first entries are handed over first.
+
+Not for a Redis Cluster: one XREAD over many jobs' streams would cross slots there, so each
+reader reads its own stream.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Subscription:
     cursor: tuple[int, int] = (0, 0)  # entries up to here were handed over
     inbox: list[Entry] = field(default_factory=list)  # handed over, not yet taken
     waiter: asyncio.Future[None] | None = None  # next()'s, while it waits
+    behind: bool = False  # the last XREAD of its key came back full: more may wait in Redis
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -60,14 +64,20 @@ class ReplyHub:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def subscribe(self, key: str) -> Subscription:
-        sub = Subscription(key)
+    @property
+    def subscriptions(self) -> int:
+        return sum(map(len, self._subs.values()))
+
+    def subscribe(self, key: str, after: str = "0-0") -> Subscription:
+        """Entries of `key` past the entry id `after` (from its start by default)."""
+        sub = Subscription(key, entry_key(after))
         self._subs.setdefault(key, []).append(sub)
-        self._fresh += 1
+        self._fresh += sub.cursor == (0, 0)
         self._wake.set()
-        if not self._tasks or (self._in_flight is not None
-                               and self._in_flight.get(key) != "0-0"):
-            self._restart_soon()  # (no reader, or its XREAD does not read this key from 0)
+        in_flight = None if self._in_flight is None else self._in_flight.get(key)
+        if not self._tasks or (self._in_flight is not None and (
+                in_flight is None or entry_key(in_flight) > sub.cursor)):
+            self._restart_soon()  # (no reader, or its XREAD reads this key from further on)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -79,11 +89,15 @@ class ReplyHub:
             self._subs.pop(sub.key, None)
 
     async def next(self, sub: Subscription, timeout_s: float) -> list[Entry]:
-        """The entries past the subscription's cursor, waiting up to timeout_s ([]: none).
-        (A bare future and a timer: a stream waits here for every token.)"""
+        """The entries past the subscription's cursor, waiting up to timeout_s ([]: none);
+        while `sub.behind`, until the reader has read on (its XREAD returns at once then, or
+        fails and clears `behind`). (A bare future and a timer: a stream waits here for every
+        token.)"""
         if not sub.inbox:
             loop = asyncio.get_running_loop()
             sub.waiter = loop.create_future()
+            if sub.behind:
+                timeout_s = max(timeout_s, self.block_ms / 1000 + 10)
             timer = loop.call_later(timeout_s, _wake, sub.waiter)
             try:
                 await sub.waiter
@@ -131,7 +145,13 @@ class ReplyHub:
                                                   block=self.block_ms)
                 backoff = 0.05
             except (RedisConnectionError, RedisTimeoutError):
-                # Redis is down: each reader times out on its own deadline; retry, not spin
+                # Redis is down: each reader times out on its own deadline (nothing can be
+                # read on now, so none is behind); retry, not spin
+                for subs in self._subs.values():
+                    for sub in subs:
+                        sub.behind = False
+                        if sub.waiter is not None:
+                            _wake(sub.waiter)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
@@ -155,6 +175,7 @@ class ReplyHub:
             return
         first, last = entry_key(entries[0][0]), entry_key(entries[-1][0])
         for sub in subs:
+            sub.behind = len(entries) >= REPLY_READ_COUNT
             if sub.cursor < first:
                 batch = entries  # (the common case: nothing to filter)
             else:

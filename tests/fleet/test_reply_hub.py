@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from producer.gateway_hub import ReplyHub
+from producer.reply_hub import ReplyHub
 from tests.harness.fleet import RedisServer
 
 
@@ -93,3 +93,36 @@ def test_streams_getting_their_first_entries_are_handed_over_first(
             await hub.close()
 
     assert asyncio.run(scenario()) == ["new", "old"]
+
+
+def test_a_subscription_starts_after_the_entry_it_names_and_knows_when_it_is_behind(
+        redis_server: RedisServer) -> None:
+    """`after`: only later entries; a key read from before the cursor in flight is read again
+    from there. A full XREAD (512 entries) leaves the subscription `behind` until the rest is
+    read."""
+    conn = redis_server.client()
+    first_ids = [conn.xadd("r:c", {"n": str(n).encode()}) for n in range(3)]
+
+    async def scenario() -> None:
+        hub = ReplyHub(redis_server.url)
+        try:
+            late = hub.subscribe("r:c", after=first_ids[1].decode())
+            assert ids(await hub.next(late, 30)) == [b"2"]
+            await asyncio.sleep(0.05)  # (the XREAD in flight reads r:c after entry 2)
+            early = hub.subscribe("r:c", after=first_ids[0].decode())
+            assert ids(await hub.next(early, 30)) == [b"1", b"2"]
+            pipe = conn.pipeline(transaction=False)
+            for n in range(600):
+                pipe.xadd("r:long", {"n": str(n).encode()})
+            pipe.execute()
+            long = hub.subscribe("r:long")
+            got = await hub.next(long, 30)
+            assert (len(got), long.behind) == (512, True)
+            # While behind, a wait shorter than the reader's next XREAD still gets the rest.
+            rest = await hub.next(long, 0.001)
+            assert (ids(got + rest), long.behind) == ([str(n).encode() for n in range(600)],
+                                                      False)
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
