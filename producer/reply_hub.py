@@ -44,6 +44,7 @@ class Subscription:
     inbox: list[Entry] = field(default_factory=list)  # handed over, not yet taken
     waiter: asyncio.Future[None] | None = None  # next()'s, while it waits
     behind: bool = False  # the last XREAD of its key came back full: more may wait in Redis
+    error: Exception | None = None  # the reader's XREAD was refused: next() raises it
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -92,8 +93,8 @@ class ReplyHub:
         """The entries past the subscription's cursor, waiting up to timeout_s ([]: none);
         while `sub.behind`, until the reader has read on (its XREAD returns at once then, or
         fails and clears `behind`). (A bare future and a timer: a stream waits here for every
-        token.)"""
-        if not sub.inbox:
+        token.) An XREAD Redis refused (not a lost connection) raises its error."""
+        if not sub.inbox and sub.error is None:
             loop = asyncio.get_running_loop()
             sub.waiter = loop.create_future()
             if sub.behind:
@@ -104,6 +105,9 @@ class ReplyHub:
             finally:
                 timer.cancel()
                 sub.waiter = None
+        if sub.error is not None and not sub.inbox:
+            error, sub.error = sub.error, None
+            raise error
         entries, sub.inbox = sub.inbox, []
         return entries
 
@@ -147,11 +151,12 @@ class ReplyHub:
             except (RedisConnectionError, RedisTimeoutError):
                 # Redis is down: each reader times out on its own deadline (nothing can be
                 # read on now, so none is behind); retry, not spin
-                for subs in self._subs.values():
-                    for sub in subs:
-                        sub.behind = False
-                        if sub.waiter is not None:
-                            _wake(sub.waiter)
+                self._fail(None)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            except Exception as exc:  # (a refusal: ACL, a reply key that is not a stream)
+                self._fail(exc)  # every reader raises it, rather than wait on a dead read
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
@@ -169,6 +174,14 @@ class ReplyHub:
                     sub.cursor != (0, 0) for sub in self._subs.get(batch[0], ())))
             for key, entries in batches:
                 self._dispatch(self._subs.get(key, []), entries)
+
+    def _fail(self, error: Exception | None) -> None:
+        for subs in self._subs.values():
+            for sub in subs:
+                if error is not None or sub.behind:
+                    sub.behind, sub.error = False, error
+                    if sub.waiter is not None:
+                        _wake(sub.waiter)
 
     def _dispatch(self, subs: list[Subscription], entries: list[Entry]) -> None:
         if not entries:

@@ -1,4 +1,4 @@
-"""The gateway's shared reply reader against a real redis-server: every subscription gets each
+"""The shared reply reader (the gateway's and AsyncClient's) against a real redis-server: every
 entry of its key once, in order, whether it joined a key another subscription reads further on,
 or a key the XREAD in flight did not cover."""
 
@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+import pytest
+from redis.exceptions import ResponseError
 
 from producer.reply_hub import ReplyHub
 from tests.harness.fleet import RedisServer
@@ -126,3 +129,25 @@ def test_a_subscription_starts_after_the_entry_it_names_and_knows_when_it_is_beh
             await hub.close()
 
     asyncio.run(scenario())
+
+
+def test_an_xread_redis_refuses_is_raised_to_each_reader(redis_server: RedisServer) -> None:
+    """A reply key that is not a stream: the shared XREAD fails with WRONGTYPE, and each
+    subscription's next() raises it instead of waiting out its timeout."""
+    conn = redis_server.client()
+    conn.set("r:not-a-stream", "x")
+
+    async def scenario() -> list[str]:
+        hub = ReplyHub(redis_server.url)
+        try:
+            subs = [hub.subscribe("r:not-a-stream"), hub.subscribe("r:fine")]
+            errors = []
+            for sub in subs:
+                with pytest.raises(ResponseError) as exc:
+                    await hub.next(sub, 600)
+                errors.append(str(exc.value).split()[0])
+            return errors
+        finally:
+            await hub.close()
+
+    assert asyncio.run(scenario()) == ["WRONGTYPE", "WRONGTYPE"]
