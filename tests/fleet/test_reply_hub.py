@@ -1,6 +1,7 @@
 """The shared reply reader (the gateway's and AsyncClient's) against a real redis-server: every
-entry of its key once, in order, whether it joined a key another subscription reads further on,
-or a key the XREAD in flight did not cover."""
+subscription gets each entry of its key once, in order, whether it joined a key another
+subscription reads further on, or a key the XREAD in flight did not cover; it starts after the
+entry it names, knows when it is behind a full read, and raises what Redis refuses."""
 
 from __future__ import annotations
 
