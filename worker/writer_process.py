@@ -33,7 +33,6 @@ import os
 import queue
 import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -45,13 +44,12 @@ import msgpack
 
 from producer.connection import connect
 from worker.batch import Batch, EventWrite, FinishWrite
+from worker.frames import PIPE_BYTES, Frames, frame
 from worker.io_thread import Writer
 from worker.streams import JobStream
 
 T = TypeVar("T")
 log = logging.getLogger("genq.worker")
-_HEADER = struct.Struct("<I")
-_PIPE_BYTES = 1 << 20  # ~80 steps of 256 jobs' events before a submit would block
 
 
 class WriterProcess:
@@ -91,7 +89,7 @@ class WriterProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         with contextlib.suppress(OSError):  # (a smaller pipe only blocks sooner)
-            fcntl.fcntl(self._proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+            fcntl.fcntl(self._proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         self._in_fd = self._proc.stdin.fileno()
         os.set_blocking(self._in_fd, False)  # (a full pipe: the frames wait in _out)
         self._feedback = Frames(self._proc.stdout.fileno())
@@ -193,8 +191,7 @@ class WriterProcess:
     def _send(self, payload: bytes) -> None:
         """Queue one frame for the child and put what the pipe takes in it now."""
         with self._send_lock:
-            self._out += _HEADER.pack(len(payload))
-            self._out += payload
+            self._out += frame(payload)
             self._pump()
 
     def _pump(self) -> None:
@@ -221,54 +218,6 @@ class WriterProcess:
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
-
-
-class Frames:
-    """Length-prefixed frames off a pipe."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buf = bytearray()
-        self._poller = select.poll()
-        self._poller.register(fd, select.POLLIN)
-
-    def take(self) -> list[bytes]:
-        """Wait for at least one whole frame, then return every whole frame read; [] at the
-        end of the input."""
-        while True:
-            frames = self._split()
-            if frames:
-                return frames
-            chunk = os.read(self.fd, _PIPE_BYTES)
-            if not chunk:
-                return []
-            self.buf += chunk
-
-    def ready(self, timeout: float) -> bool:
-        """Whether a read would not block, waiting up to `timeout` seconds."""
-        return bool(self._poller.poll(timeout * 1000))
-
-    def take_ready(self) -> list[bytes] | None:
-        """Every whole frame that can be read without blocking (maybe none); None at the end
-        of the input."""
-        while self.ready(0):
-            chunk = os.read(self.fd, _PIPE_BYTES)
-            if not chunk:
-                return self._split() or None
-            self.buf += chunk
-        return self._split()
-
-    def _split(self) -> list[bytes]:
-        frames, offset, buf = [], 0, self.buf
-        while len(buf) - offset >= 4:
-            (size,) = _HEADER.unpack_from(buf, offset)
-            if len(buf) - offset - 4 < size:
-                break
-            frames.append(bytes(buf[offset + 4:offset + 4 + size]))
-            offset += 4 + size
-        if offset:
-            del buf[:offset]
-        return frames
 
 
 def _die_with_parent(parent: int) -> None:
@@ -304,8 +253,7 @@ def main(argv: list[str]) -> int:
                     config["min_replicas"])
 
     def send(msg: dict[str, Any]) -> None:
-        body = msgpack.packb(msg)
-        data = memoryview(_HEADER.pack(len(body)) + body)
+        data = memoryview(frame(msgpack.packb(msg)))
         while data:
             data = data[os.write(out, data):]
 

@@ -13,13 +13,13 @@ import httpx
 import pytest
 
 from producer import Client
-from producer.cli import queue_rows
 from producer.events import done_event, encode_event, started_event, tokens_event
 from producer.gateway import GatewayConfig
 from producer.gateway_app import create_app
 from producer.limits import Limits
 from producer.openai_schema import CompletionRequest
 from producer.protocol import REPLY_FIELD, Keys, encode_heartbeat
+from producer.status import queue_rows
 from tests.harness.fleet import RedisServer, free_port, register_heartbeat
 
 KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)

@@ -14,7 +14,6 @@ import pytest
 from redis.crc import key_slot
 
 from producer import Client
-from producer.cli import queue_rows, worker_rows
 from producer.client import ClientSettings, make_job_spec
 from producer.connection import connect, parse
 from producer.errors import JobError
@@ -22,6 +21,7 @@ from producer.flags import redis_url
 from producer.lanes import lane_keys
 from producer.protocol import Keys, new_job_id
 from producer.results import _slot_chunks
+from producer.status import queue_rows, worker_rows
 from tests.harness.clusters import RedisClusterSet
 from tests.harness.fleet import (
     Expected,

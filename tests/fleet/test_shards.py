@@ -13,11 +13,11 @@ import pytest
 from redis.crc import key_slot
 
 from producer import Client
-from producer.cli import queue_rows
 from producer.client import ClientSettings, make_job_spec
 from producer.errors import JobError
 from producer.lanes import lane_key
 from producer.protocol import Keys, job_model, job_shard, new_job_id
+from producer.status import queue_rows
 from tests.harness.clusters import RedisClusterSet
 from tests.harness.fleet import (
     Expected,

@@ -109,8 +109,8 @@ def test_a_bad_redis_url_or_prefix_is_a_usage_error_not_a_traceback(
 def test_status_counts_only_consumers_whose_worker_is_alive(redis_server: RedisServer) -> None:
     """A dead worker stays a consumer of its group until a reclaim pass deletes it: `genq
     status` counts the consumers with a live heartbeat."""
-    from producer.cli import queue_rows
     from producer.protocol import Keys
+    from producer.status import queue_rows
 
     conn, keys = redis_server.client(), Keys()
     conn.xgroup_create(keys.jobs("m"), keys.group, id="0", mkstream=True)
@@ -141,8 +141,8 @@ def test_the_worker_turns_the_tokenizer_thread_pool_off_unless_told(given: str |
 
 
 def test_status_shows_each_workers_prefix_cache_hit_rate(redis_server: RedisServer) -> None:
-    from producer.cli import worker_rows
     from producer.protocol import Keys, encode_heartbeat
+    from producer.status import worker_rows
 
     conn, keys = redis_server.client(), Keys()
     beats = {"cached": {"prefix_caching": True, "prefix_cache_hit_rate": 0.254},

@@ -16,8 +16,9 @@ from producer.protocol import Keys
 from tests.harness.fleet import REPO, RedisServer, wait_for
 from tests.harness.writer import JOBS, STREAMS, events_of, setup_group
 from worker.batch import Batch, EventWrite, FinishWrite
+from worker.frames import Frames
 from worker.io_thread import Writer
-from worker.writer_process import Frames, WriterProcess
+from worker.writer_process import WriterProcess
 
 KEYS = Keys(model="m")  # (the jobs of the replies here: model m's)
 
