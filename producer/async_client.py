@@ -181,7 +181,8 @@ class AsyncJob:
     async def _read(self, reader: ReplyReader) -> AsyncIterator[tuple[str, ClientEvent]]:
         """Job._read's mirror. With the client's hub, what is already in the stream is read at
         once (reads that do not block), then the job waits on the hub from where it got to
-        (the hub retries a failed read itself); without one, each read blocks on its own
+        (the hub retries a failed read itself; whether the result expired is asked after a
+        wait there, not after the first look); without one, each read blocks on its own
         connection."""
         hub = self.client.hub()
         sub: Subscription | None = None
@@ -191,7 +192,8 @@ class AsyncJob:
                     yield item
                 if reader.finished:
                     return
-                if reader.expiry_check_due(time.monotonic()) and await reply_expired_async(
+                if (hub is None or sub is not None) and reader.expiry_check_due(
+                        time.monotonic()) and await reply_expired_async(
                         self.client.redis, self.client.keys.idem(self.id, self.model or None),
                         self.reply_key):
                     raise ResultExpired(self.id)
