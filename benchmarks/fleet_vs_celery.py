@@ -366,10 +366,10 @@ def start_redis(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> str:
 
 
 def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every process, newest first; kill what has not exited within 20 s."""
+    """SIGTERM each process, newest first, each once the one after it has exited (a worker
+    drains while its redis-server is still up); kill what has not exited within 20 s."""
     for proc in reversed(procs):
         proc.terminate()
-    for proc in procs:
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
