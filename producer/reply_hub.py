@@ -135,45 +135,74 @@ class ReplyHub:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, generation: int) -> None:
+        """One reader generation. It holds one connection of the pool for its life and sends
+        its XREADs on it directly: redis-py's per-command path (take a connection from the
+        pool, check it, give it back, the retry wrapper) costs as much CPU as the XREAD's own
+        write, and the hub sends one or two per engine step."""
+        pool = self.conn.connection_pool
+        conn: Any = None
+        sent = False  # an XREAD is in flight on conn (a reader cancelled then must drop it)
         backoff = 0.05
-        while generation == self._generation:
-            if not self._subs:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            streams: dict[Any, Any] = {key: "{}-{}".format(*min(s.cursor for s in subs))
-                                       for key, subs in self._subs.items()}
-            self._in_flight = streams
-            try:
-                resp: Any = await self.conn.xread(streams, count=REPLY_READ_COUNT,
-                                                  block=self.block_ms)
-                backoff = 0.05
-            except (RedisConnectionError, RedisTimeoutError):
-                # Redis is down: each reader times out on its own deadline (nothing can be
-                # read on now, so none is behind); retry, not spin
-                self._fail(None)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            except Exception as exc:  # (a refusal: ACL, a reply key that is not a stream)
-                self._fail(exc)  # every reader raises it, rather than wait on a dead read
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            finally:
-                if generation == self._generation:
-                    self._in_flight = None
-            if generation != self._generation:
-                return  # (the newer reader's XREAD, sent from cursors no further on, reads it)
-            batches = [(key.decode() if isinstance(key, bytes) else key, entries)
-                       for key, entries in resp or []]
-            # Streams about to get their first entries go first: their requests' tasks wake
-            # first, so a first token is not sent after every other stream's token of the step.
-            if self._fresh:
-                batches.sort(key=lambda batch: all(
-                    sub.cursor != (0, 0) for sub in self._subs.get(batch[0], ())))
-            for key, entries in batches:
-                self._dispatch(self._subs.get(key, []), entries)
+        try:
+            while generation == self._generation:
+                if not self._subs:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                streams = {key: "{}-{}".format(*min(s.cursor for s in subs))
+                           for key, subs in self._subs.items()}
+                self._in_flight = streams
+                try:
+                    if conn is None:
+                        conn = await pool.get_connection()
+                    sent = True
+                    await conn.send_command("XREAD", "COUNT", REPLY_READ_COUNT, "BLOCK",
+                                            self.block_ms, "STREAMS", *streams, *streams.values())
+                    resp: Any = await conn.read_response()
+                    sent = False
+                    backoff = 0.05
+                except (RedisConnectionError, RedisTimeoutError, OSError):
+                    # Redis is down: each reader times out on its own deadline (nothing can be
+                    # read on now, so none is behind); retry, not spin
+                    if conn is not None:
+                        await conn.disconnect()  # (the next send connects again)
+                    sent = False
+                    self._fail(None)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+                except Exception as exc:  # (a refusal: ACL, a reply key that is not a stream)
+                    sent = False
+                    self._fail(exc)  # every reader raises it, rather than wait on a dead read
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+                finally:
+                    if generation == self._generation:
+                        self._in_flight = None
+                if generation != self._generation:
+                    return  # (the newer reader's XREAD, sent from cursors no further on, has it)
+                self._hand_over(resp)
+        finally:
+            if conn is not None:
+                if sent:  # (its answer would be read by the connection's next user)
+                    await conn.disconnect()
+                await pool.release(conn)
+
+    def _hand_over(self, resp: Any) -> None:
+        """An XREAD's answer ([[key, [[id, [field, value, ...]], ...]], ...] or None) to the
+        subscriptions of its keys."""
+        batches = [(key.decode() if isinstance(key, bytes) else key,
+                    [(entry_id, dict(zip(kv[::2], kv[1::2], strict=True)) if kv else {})
+                     for entry_id, kv in entries])
+                   for key, entries in resp or []]
+        # Streams about to get their first entries go first: their requests' tasks wake
+        # first, so a first token is not sent after every other stream's token of the step.
+        if self._fresh:
+            batches.sort(key=lambda batch: all(
+                sub.cursor != (0, 0) for sub in self._subs.get(batch[0], ())))
+        for key, entries in batches:
+            self._dispatch(self._subs.get(key, []), entries)
 
     def _fail(self, error: Exception | None) -> None:
         for subs in self._subs.values():

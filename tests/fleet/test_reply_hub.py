@@ -152,3 +152,26 @@ def test_an_xread_redis_refuses_is_raised_to_each_reader(redis_server: RedisServ
             await hub.close()
 
     assert asyncio.run(scenario()) == ["WRONGTYPE", "WRONGTYPE"]
+
+
+def test_a_subscription_reads_on_after_redis_restarts(redis_server: RedisServer) -> None:
+    """The reader's held connection dies with the server: it connects again and reads on from
+    each subscription's cursor."""
+
+    async def scenario() -> list[bytes]:
+        hub = ReplyHub(redis_server.url)
+        try:
+            sub = hub.subscribe("r:r")
+            redis_server.client().xadd("r:r", {"n": b"before"})
+            got = ids(await hub.next(sub, 30))
+            await asyncio.to_thread(redis_server.restart, down_s=0.5)
+            redis_server.client().xadd("r:r", {"n": b"after"})
+            for _ in range(10):  # (each wait ends with the reader's failed reads, or 30 s)
+                if len(got) == 2:
+                    break
+                got += ids(await hub.next(sub, 30))
+            return got
+        finally:
+            await hub.close()
+
+    assert asyncio.run(scenario()) == [b"before", b"after"]
