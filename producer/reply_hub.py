@@ -64,6 +64,7 @@ class ReplyHub:
         self._restart_due = False
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     @property
     def subscriptions(self) -> int:
@@ -94,6 +95,8 @@ class ReplyHub:
         while `sub.behind`, until the reader has read on (its XREAD returns at once then, or
         fails and clears `behind`). (A bare future and a timer: a stream waits here for every
         token.) An XREAD Redis refused (not a lost connection) raises its error."""
+        if self._closed and sub.error is None:
+            sub.error = RuntimeError("the reply reader is closed")
         if not sub.inbox and sub.error is None:
             loop = asyncio.get_running_loop()
             sub.waiter = loop.create_future()
@@ -112,6 +115,11 @@ class ReplyHub:
         return entries
 
     async def close(self) -> None:
+        """Stop reading; a reader waiting in next(), or calling it later, gets a RuntimeError
+        instead of waiting on a hub that reads no more."""
+        self._closed = True
+        self._fail(RuntimeError("the reply reader is closed (its client or gateway was "
+                                "closed while this stream was read)"))
         self._generation += 1
         for task in list(self._tasks):
             task.cancel()

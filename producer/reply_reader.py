@@ -135,7 +135,7 @@ class ReplyReader:
              ) -> Iterator[tuple[str, ClientEvent]]:
         """One read's entries in; (entry id, event) for each event to hand on, decoded as they
         are taken (a ProtocolError from an entry that is not an event comes after the events
-        before it). `caught_up`: whether more entries may wait unread (None: a read of up to
+        before it). `caught_up`: whether the read left nothing unread (None: a read of up to
         REPLY_READ_COUNT entries, caught up unless it came back full)."""
         self._num_read = len(entries)
         self._caught_up = len(entries) < REPLY_READ_COUNT if caught_up is None else caught_up

@@ -175,3 +175,23 @@ def test_a_subscription_reads_on_after_redis_restarts(redis_server: RedisServer)
             await hub.close()
 
     assert asyncio.run(scenario()) == [b"before", b"after"]
+
+
+def test_closing_the_hub_ends_the_waits_on_it(redis_server: RedisServer) -> None:
+    """A reader waiting when its client closes the hub gets an error at once, not a wait on a
+    hub that reads no more; so does one that asks afterwards."""
+
+    async def scenario() -> list[str]:
+        hub = ReplyHub(redis_server.url)
+        sub = hub.subscribe("r:closing")
+        waiting = asyncio.ensure_future(hub.next(sub, 600))
+        await asyncio.sleep(0.05)
+        await hub.close()
+        errors = []
+        for wait in (waiting, hub.next(sub, 600)):
+            with pytest.raises(RuntimeError) as exc:
+                await wait
+            errors.append(str(exc.value).split(" (")[0])
+        return errors
+
+    assert asyncio.run(scenario()) == ["the reply reader is closed"] * 2
