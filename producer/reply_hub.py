@@ -22,10 +22,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis import ConnectionError as RedisConnectionError
-from redis import TimeoutError as RedisTimeoutError
-
-from producer.connection import connect_async
+from producer.connection import RETRYABLE, connect_async
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT
 
 Entry = tuple[Any, Any]  # (entry id, fields) as XREAD gives them
@@ -169,19 +166,18 @@ class ReplyHub:
                     resp: Any = await conn.read_response()
                     sent = False
                     backoff = 0.05
-                except (RedisConnectionError, RedisTimeoutError, OSError):
-                    # Redis is down: each reader times out on its own deadline (nothing can be
-                    # read on now, so none is behind); retry, not spin
-                    if conn is not None:
-                        await conn.disconnect()  # (the next send connects again)
+                except Exception as exc:
                     sent = False
-                    self._fail(None)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
-                    continue
-                except Exception as exc:  # (a refusal: ACL, a reply key that is not a stream)
-                    sent = False
-                    self._fail(exc)  # every reader raises it, rather than wait on a dead read
+                    if isinstance(exc, (*RETRYABLE, OSError)) or str(exc).startswith("UNBLOCKED"):
+                        # Redis is down, or its primary became a replica under the blocked
+                        # XREAD (a failover: UNBLOCKED): connect again (to the primary Sentinel
+                        # names now). Each reader times out on its own deadline (nothing can be
+                        # read on now, so none is behind); retry, not spin.
+                        if conn is not None:
+                            await conn.disconnect()
+                        self._fail(None)
+                    else:  # a refusal (an ACL, a reply key that is not a stream): every
+                        self._fail(exc)  # reader raises it, rather than wait on a dead read
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
                     continue

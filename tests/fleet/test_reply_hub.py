@@ -195,3 +195,39 @@ def test_closing_the_hub_ends_the_waits_on_it(redis_server: RedisServer) -> None
         return errors
 
     assert asyncio.run(scenario()) == ["the reply reader is closed"] * 2
+
+
+def test_an_unblocked_xread_is_read_again_not_raised(redis_server: RedisServer) -> None:
+    """A primary that becomes a replica answers its blocked XREADs with UNBLOCKED (as CLIENT
+    UNBLOCK ... ERROR does here): the reader connects again and reads on; nobody sees it."""
+    conn = redis_server.client()
+
+    def unblock_the_hub() -> int:
+        blocked = [c["id"] for c in conn.client_list() if c["cmd"] == "xread"
+                   and "b" in c["flags"]]
+        for client_id in blocked:
+            conn.client_unblock(client_id, error=True)
+        return len(blocked)
+
+    async def scenario() -> tuple[int, list[bytes]]:
+        hub = ReplyHub(redis_server.url)
+        try:
+            sub = hub.subscribe("r:u")
+            conn.xadd("r:u", {"n": b"1"})
+            got = ids(await hub.next(sub, 30))
+            unblocked = 0
+            for _ in range(300):  # (until the reader's next XREAD blocks)
+                unblocked = await asyncio.to_thread(unblock_the_hub)
+                if unblocked:
+                    break
+                await asyncio.sleep(0.01)
+            conn.xadd("r:u", {"n": b"2"})
+            for _ in range(10):
+                if len(got) == 2:
+                    break
+                got += ids(await hub.next(sub, 30))
+            return unblocked, got
+        finally:
+            await hub.close()
+
+    assert asyncio.run(scenario()) == (1, [b"1", b"2"])
