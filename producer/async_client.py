@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from producer import connection
 from producer.client import (
@@ -219,7 +219,9 @@ class AsyncJob:
             else:
                 resp = await self.client.redis.xread({self.reply_key: reader.cursor},
                                                      count=REPLY_READ_COUNT)
-        except connection.RETRYABLE:
+        except RedisError as exc:
+            if not connection.retryable(exc):
+                raise
             await asyncio.sleep(reader.read_failed(time.monotonic()))
             return ()
         return reader.feed(_entries(resp))

@@ -280,7 +280,9 @@ class Job:
             try:
                 resp = conn.xread({self.reply_key: reader.cursor}, count=REPLY_READ_COUNT,
                                   block=reader.block_ms(time.monotonic()))
-            except connection.RETRYABLE:
+            except redis.RedisError as exc:
+                if not connection.retryable(exc):
+                    raise
                 time.sleep(reader.read_failed(time.monotonic()))
             else:
                 yield from reader.feed(_entries(resp))

@@ -42,6 +42,15 @@ RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoa
              # a cluster failing over, or a slot that moves under a multi-key command
              redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
              redis.exceptions.MasterDownError)
+
+
+def retryable(exc: BaseException) -> bool:
+    """A failure to retry as a lost connection is: RETRYABLE, or a blocked read its server
+    ended with UNBLOCKED (it became a replica under the read: a failover; the read goes on)."""
+    return isinstance(exc, RETRYABLE) or (isinstance(exc, redis.ResponseError)
+                                          and str(exc).startswith("UNBLOCKED"))
+
+
 SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 DIRECT_SCHEMES = ("redis", "rediss", "unix")

@@ -16,11 +16,10 @@ from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis import ConnectionError as RedisConnectionError
-from redis import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from producer.client import DEFAULT_CANCEL_TTL, DEFAULT_IDEMPOTENCY_TTL, DEFAULT_STREAM_TTL
-from producer.connection import connect_async
+from producer.connection import connect_async, retryable
 from producer.events import ClientEvent, DoneEvent
 from producer.lanes import job_stream
 from producer.openai_schema import GatewayError
@@ -148,7 +147,9 @@ class JobReader:
         try:
             resp: Any = await self.conn.xread({self.reply_key: reader.cursor},
                                               count=REPLY_READ_COUNT, block=block_ms)
-        except (RedisConnectionError, RedisTimeoutError):
+        except RedisError as exc:
+            if not retryable(exc):
+                raise
             # Redis is down: a refused connect fails at once, so wait before the next try
             # (without it, every open stream would spin the event loop at full CPU).
             await asyncio.sleep(reader.read_failed(time.monotonic()))

@@ -22,7 +22,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.connection import RETRYABLE, connect_async
+from producer.connection import connect_async, retryable
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT
 
 Entry = tuple[Any, Any]  # (entry id, fields) as XREAD gives them
@@ -168,7 +168,7 @@ class ReplyHub:
                     backoff = 0.05
                 except Exception as exc:
                     sent = False
-                    if isinstance(exc, (*RETRYABLE, OSError)) or str(exc).startswith("UNBLOCKED"):
+                    if retryable(exc) or isinstance(exc, OSError):
                         # Redis is down, or its primary became a replica under the blocked
                         # XREAD (a failover: UNBLOCKED): connect again (to the primary Sentinel
                         # names now). Each reader times out on its own deadline (nothing can be

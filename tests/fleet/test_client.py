@@ -154,6 +154,31 @@ def test_stream_resumes_after_redis_restarts(redis_server: RedisServer) -> None:
                                                           ("tokens", 1), ("done", None)]
 
 
+def test_a_read_its_server_unblocks_reads_on(redis_server: RedisServer) -> None:
+    """A primary that becomes a replica (a failover) ends the blocked XREADs on it with
+    UNBLOCKED, as CLIENT UNBLOCK ... ERROR does here: Job.result reads on, as after a lost
+    connection, and returns the result written afterwards."""
+    conn = redis_server.client()
+    got: list[object] = []
+
+    def read() -> None:
+        try:
+            got.append(Client(redis_server.url).job("ub", "tiny").result(timeout=60))
+        except Exception as exc:  # (the assertion below shows it)
+            got.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    unblocked: list[int] = []
+    wait_for(lambda: bool(unblocked.extend(
+        conn.client_unblock(c["id"], error=True) for c in conn.client_list()
+        if c["cmd"] == "xread" and "b" in c["flags"]) or unblocked), what="a blocked read")
+    write(redis_server, "ub", started_event(1, "w"), done(1, [5]))
+    reader.join(60)
+    assert unblocked == [True]
+    assert [r["outputs"][0]["token_ids"] for r in got] == [[5]]  # type: ignore[index]
+
+
 def test_async_client_mirrors_the_sync_one(redis_server: RedisServer) -> None:
     async def scenario() -> tuple[bool, bool, list[str], dict[str, object]]:
         async with AsyncClient(redis_server.url) as client:
