@@ -47,6 +47,7 @@ import msgpack
 import redis
 from redis.crc import key_slot
 
+from producer.connection import retryable
 from producer.errors import JobError, ProtocolError, ResultExpired
 from producer.events import EVENT_TYPES, TERMINAL_EVENT_TYPES, TerminalEvent, decode_event
 from producer.protocol import DEFAULT_MAX_EVENT_BYTES, REPLY_FIELD, as_str
@@ -165,7 +166,9 @@ def iter_results(conn: redis.Redis, jobs: Sequence[Job],
         try:
             changed = wait.one_pass()
             backoff = 0.05
-        except _RETRYABLE:
+        except redis.RedisError as exc:
+            if not retryable(exc):
+                raise
             time.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
         if wait.waiting and time.monotonic() >= next_expiry_check:
@@ -187,7 +190,9 @@ def iter_results(conn: redis.Redis, jobs: Sequence[Job],
             left = _BLOCK_MS if end is None else (end - time.monotonic()) * 1000
             try:
                 wait.until_news(int(max(1, min(_BLOCK_MS, left))))
-            except _RETRYABLE:
+            except redis.RedisError as exc:  # (UNBLOCKED: a failover demoted the server)
+                if not retryable(exc):
+                    raise
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
     while wait.ended:

@@ -154,28 +154,34 @@ def test_stream_resumes_after_redis_restarts(redis_server: RedisServer) -> None:
                                                           ("tokens", 1), ("done", None)]
 
 
-def test_a_read_its_server_unblocks_reads_on(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("how", ["result", "results"])
+def test_a_read_its_server_unblocks_reads_on(redis_server: RedisServer, how: str) -> None:
     """A primary that becomes a replica (a failover) ends the blocked XREADs on it with
-    UNBLOCKED, as CLIENT UNBLOCK ... ERROR does here: Job.result reads on, as after a lost
-    connection, and returns the result written afterwards."""
+    UNBLOCKED, as CLIENT UNBLOCK ... ERROR does here: Job.result and Client.results read on, as
+    after a lost connection, and return the result written afterwards."""
     conn = redis_server.client()
     got: list[object] = []
+    job_id = f"ub-{how}"
 
     def read() -> None:
+        client = Client(redis_server.url)
+        job = client.job(job_id, "tiny")
         try:
-            got.append(Client(redis_server.url).job("ub", "tiny").result(timeout=60))
+            got.append(job.result(timeout=60) if how == "result"
+                       else client.results([job], timeout=60)[0])
         except Exception as exc:  # (the assertion below shows it)
             got.append(exc)
 
+    def unblock() -> bool:
+        blocked = [c["id"] for c in conn.client_list() if c["cmd"] == "xread"
+                   and "b" in c["flags"]]
+        return any([conn.client_unblock(client_id, error=True) for client_id in blocked])
+
     reader = threading.Thread(target=read)
     reader.start()
-    unblocked: list[int] = []
-    wait_for(lambda: bool(unblocked.extend(
-        conn.client_unblock(c["id"], error=True) for c in conn.client_list()
-        if c["cmd"] == "xread" and "b" in c["flags"]) or unblocked), what="a blocked read")
-    write(redis_server, "ub", started_event(1, "w"), done(1, [5]))
+    wait_for(unblock, what="a blocked read to unblock")
+    write(redis_server, job_id, started_event(1, "w"), done(1, [5]))
     reader.join(60)
-    assert unblocked == [True]
     assert [r["outputs"][0]["token_ids"] for r in got] == [[5]]  # type: ignore[index]
 
 
