@@ -21,32 +21,29 @@ from producer.client import (
 from producer.errors import JobError, ResultExpired
 from producer.events import ClientEvent, DoneEvent
 from producer.protocol import SUBMIT_LUA, JobSpec, as_str, job_model
-from producer.reply_hub import ReplyHub, Subscription
-from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, result_from_events
+from producer.reply_hub import ReplyHub, SlotHubs, Subscription, reply_hub
+from producer.reply_reader import REPLY_READ_COUNT, ReplyReader, result_from_events
 from producer.results import reply_expired_async
 from producer.shards import sharded_job_id
 
 
-def connect_async(url: str, *, blocking: bool = False) -> aioredis.Redis:
-    return connection.connect_async(url, socket_timeout=BLOCK_MS / 1000 + 10 if blocking
-                                    else 5.0)
+def connect_async(url: str) -> aioredis.Redis:
+    return connection.connect_async(url, socket_timeout=5.0)
 
 
 class AsyncClient(ClientSettings):
     def __init__(self, url: str = DEFAULT_URL, **settings: Any) -> None:
         super().__init__(url, **settings)
         self.redis = connect_async(url)
-        self.blocking_redis = connect_async(url, blocking=True)  # (a cluster's job reads)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
-        # Every AsyncJob's reads of its reply stream go through one XREAD: a thousand jobs
-        # streamed at once hold one connection, not a thousand (made by the first read, in the
-        # event loop; none on a cluster, where each job reads its own stream).
-        self._hub: ReplyHub | None = None
-        self._hub_wanted = not connection.parse(url).is_cluster
+        # Every AsyncJob's reads of its reply stream go through one XREAD (on a cluster, one
+        # per slot: a model's streams share one): a thousand jobs streamed at once hold one
+        # connection, not a thousand (made by the first read, in the event loop).
+        self._hub: ReplyHub | SlotHubs | None = None
 
-    def hub(self) -> ReplyHub | None:
-        if self._hub is None and self._hub_wanted:
-            self._hub = ReplyHub(self.url)
+    def hub(self) -> ReplyHub | SlotHubs:
+        if self._hub is None:
+            self._hub = reply_hub(self.url)
         return self._hub
 
     async def submit(self, prompt: Prompt | None = None, params: dict[str, Any] | None = None,
@@ -100,7 +97,7 @@ class AsyncClient(ClientSettings):
         """Client.results' mirror: every job's result, in order; a failed job raises its
         JobError once all have ended (the first in order), or with `return_exceptions` takes
         its place (as does a TimeoutError for each job unfinished at `timeout`). At most
-        `concurrency` reply streams are read at once (each read holds a connection)."""
+        `concurrency` jobs are waited for at once."""
         end = None if timeout is None else time.monotonic() + timeout
         gate = asyncio.Semaphore(concurrency)
 
@@ -140,7 +137,6 @@ class AsyncClient(ClientSettings):
             await self._hub.close()
             self._hub = None
         await self.redis.aclose()
-        await self.blocking_redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -179,11 +175,10 @@ class AsyncJob:
         return result_from_events(self.id, reader.terminal)
 
     async def _read(self, reader: ReplyReader) -> AsyncIterator[tuple[str, ClientEvent]]:
-        """Job._read's mirror. With the client's hub, what is already in the stream is read at
-        once (reads that do not block), then the job waits on the hub from where it got to
+        """Job._read's mirror, through the client's hub: what is already in the stream is read
+        at once (reads that do not block), then the job waits on the hub from where it got to
         (the hub retries a failed read itself; whether the result expired is asked after a
-        wait there, not after the first look); without one, each read blocks on its own
-        connection."""
+        wait there, not after the first look)."""
         hub = self.client.hub()
         sub: Subscription | None = None
         try:
@@ -192,33 +187,28 @@ class AsyncJob:
                     yield item
                 if reader.finished:
                     return
-                if (hub is None or sub is not None) and reader.expiry_check_due(
+                if sub is not None and reader.expiry_check_due(
                         time.monotonic()) and await reply_expired_async(
                         self.client.redis, self.client.keys.idem(self.id, self.model or None),
                         self.reply_key):
                     raise ResultExpired(self.id)
                 if reader.timed_out(time.monotonic()):
                     raise reader.timeout_error(self.id)
-                if hub is not None and sub is None and reader.caught_up:
+                if sub is None and reader.caught_up:
                     sub = hub.subscribe(self.reply_key, reader.cursor)
         finally:
-            if hub is not None and sub is not None:
+            if sub is not None:
                 hub.unsubscribe(sub)
 
-    async def _next(self, reader: ReplyReader, hub: ReplyHub | None,
+    async def _next(self, reader: ReplyReader, hub: ReplyHub | SlotHubs,
                     sub: Subscription | None) -> Iterable[tuple[str, ClientEvent]]:
         """One read's events (decoded as they are taken, advancing the reader's cursor)."""
-        block_ms = reader.block_ms(time.monotonic())
-        if hub is not None and sub is not None:
-            entries = await hub.next(sub, block_ms / 1000)
+        if sub is not None:
+            entries = await hub.next(sub, reader.block_ms(time.monotonic()) / 1000)
             return reader.feed(entries, caught_up=not sub.behind)
         try:
-            if hub is None:
-                resp = await self.client.blocking_redis.xread(
-                    {self.reply_key: reader.cursor}, count=REPLY_READ_COUNT, block=block_ms)
-            else:
-                resp = await self.client.redis.xread({self.reply_key: reader.cursor},
-                                                     count=REPLY_READ_COUNT)
+            resp = await self.client.redis.xread({self.reply_key: reader.cursor},
+                                                 count=REPLY_READ_COUNT)
         except RedisError as exc:
             if not connection.retryable(exc):
                 raise

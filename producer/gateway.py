@@ -36,7 +36,6 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from producer import connection
 from producer import openai_schema as oa
 from producer.client import make_job_spec
 from producer.fleet_view import FleetView
@@ -47,7 +46,7 @@ from producer.limits import Limits, check_job_bytes, check_limits
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
 from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, encode_job_entry
-from producer.reply_hub import ReplyHub
+from producer.reply_hub import ReplyHub, SlotHubs, reply_hub
 
 JOB_ID_HEADER = "Genq-Job-Id"
 RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume
@@ -100,13 +99,11 @@ class Gateway:
         # Requests reading each job now: a cut request's delayed cancel spares a job that
         # another request (a retry with the same Genq-Job-Id) reads by then.
         self._readers: dict[str, int] = {}
-        self.hub: ReplyHub | None = None  # (made in the event loop, by start())
+        self.hub: ReplyHub | SlotHubs | None = None  # (made in the event loop, by start())
 
     async def start(self) -> None:
         """In the app's event loop, before the first request."""
-        if not connection.parse(self.cfg.redis_url).is_cluster:  # (on a cluster, one XREAD
-            # over many jobs' streams would cross slots: each request reads its own stream)
-            self.hub = ReplyHub(self.cfg.redis_url)
+        self.hub = reply_hub(self.cfg.redis_url)
 
     async def stop(self) -> None:
         """At shutdown (after the drain): the jobs of cut streams are cancelled now, since

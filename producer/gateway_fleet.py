@@ -30,7 +30,7 @@ from producer.protocol import (
     Keys,
     ProtocolError,
 )
-from producer.reply_hub import ReplyHub, Subscription
+from producer.reply_hub import ReplyHub, SlotHubs, Subscription
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, entry_key
 from producer.results import reply_expired_async
 from producer.shards import ShardCounts, sharded_job_id
@@ -108,7 +108,7 @@ class JobReader:
 
     def __init__(self, conn: aioredis.Redis, reply_key: str, job_id: str, after: str | None,
                  timeout_s: float, idem_key: str | None = None,
-                 hub: ReplyHub | None = None) -> None:
+                 hub: ReplyHub | SlotHubs | None = None) -> None:
         self.conn = conn
         self.hub = hub  # the process's shared reader (None: XREAD on `conn` itself)
         self.reply_key = reply_key

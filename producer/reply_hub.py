@@ -12,8 +12,9 @@ was sent from cursors no further on, so it reads the same entries (each subscrip
 drops anything it already has). No Redis command beyond XREAD is needed. Of one XREAD's
 streams, those getting their first entries are handed over first.
 
-Not for a Redis Cluster: one XREAD over many jobs' streams would cross slots there, so each
-reader reads its own stream.
+On a Redis Cluster one XREAD may not cross slots, but a model's reply streams share its slot
+(the hash tag of its name, producer/keys.py): `SlotHubs` keeps one hub per slot, all on one
+cluster client, whose XREADs go through the client (it follows a slot that moves).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.connection import connect_async, retryable
+from redis.crc import key_slot
+
+from producer.connection import connect_async, parse, retryable
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT
 
 Entry = tuple[Any, Any]  # (entry id, fields) as XREAD gives them
@@ -42,6 +45,7 @@ class Subscription:
     waiter: asyncio.Future[None] | None = None  # next()'s, while it waits
     behind: bool = False  # the last XREAD of its key came back full: more may wait in Redis
     error: Exception | None = None  # the reader's XREAD was refused: next() raises it
+    home: Any = None  # on a cluster, the hub of its slot (SlotHubs)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -49,10 +53,19 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+def reply_hub(url: str) -> ReplyHub | SlotHubs:
+    """The shared reader for the Redis at `url`: one hub, or on a cluster one per slot."""
+    return SlotHubs(url) if parse(url).is_cluster else ReplyHub(url)
+
+
 class ReplyHub:
-    def __init__(self, url: str, block_ms: int = BLOCK_MS, max_connections: int = 64) -> None:
-        self.conn = connect_async(url, max_connections=max_connections,
-                                  socket_timeout=block_ms / 1000 + 10)
+    def __init__(self, url: str, block_ms: int = BLOCK_MS, max_connections: int = 64,
+                 conn: Any = None) -> None:
+        """`conn`: a cluster client to share (SlotHubs'; closed by its owner); None: a pool
+        of its own, whose connections each reader generation holds."""
+        self.shared = conn
+        self.conn = conn if conn is not None else connect_async(
+            url, max_connections=max_connections, socket_timeout=block_ms / 1000 + 10)
         self.block_ms = block_ms
         self._subs: dict[str, list[Subscription]] = {}
         self._fresh = 0  # subscriptions handed no entry yet (their streams go first)
@@ -121,7 +134,8 @@ class ReplyHub:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.conn.aclose()
+        if self.shared is None:
+            await self.conn.aclose()
 
     # ------------------------------------------------------------------ the readers
 
@@ -144,6 +158,8 @@ class ReplyHub:
         its XREADs on it directly: redis-py's per-command path (take a connection from the
         pool, check it, give it back, the retry wrapper) costs as much CPU as the XREAD's own
         write, and the hub sends one or two per engine step."""
+        if self.shared is not None:
+            return await self._run_on_cluster(generation)
         pool = self.conn.connection_pool
         conn: Any = None
         sent = False  # an XREAD is in flight on conn (a reader cancelled then must drop it)
@@ -193,11 +209,40 @@ class ReplyHub:
                     await conn.disconnect()
                 await pool.release(conn)
 
+    async def _run_on_cluster(self, generation: int) -> None:
+        """_run through the cluster client: its XREADs go to the node of their slot, and it
+        follows a slot that moves (per command: a cluster's XREAD takes the client's path)."""
+        backoff = 0.05
+        while generation == self._generation:
+            if not self._subs:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            streams: dict[Any, Any] = {key: "{}-{}".format(*min(s.cursor for s in subs))
+                                       for key, subs in self._subs.items()}
+            self._in_flight = streams
+            try:
+                resp: Any = await self.conn.xread(streams, count=REPLY_READ_COUNT,
+                                                  block=self.block_ms)
+                backoff = 0.05
+            except Exception as exc:
+                self._fail(None if retryable(exc) or isinstance(exc, OSError) else exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            finally:
+                if generation == self._generation:
+                    self._in_flight = None
+            if generation != self._generation:
+                return
+            self._hand_over(resp)
+
     def _hand_over(self, resp: Any) -> None:
         """An XREAD's answer ([[key, [[id, [field, value, ...]], ...]], ...] or None) to the
         subscriptions of its keys."""
         batches = [(key.decode() if isinstance(key, bytes) else key,
-                    [(entry_id, dict(zip(kv[::2], kv[1::2], strict=True)) if kv else {})
+                    [(entry_id, kv if isinstance(kv, dict)  # (the cluster client's, parsed)
+                      else dict(zip(kv[::2], kv[1::2], strict=True)) if kv else {})
                      for entry_id, kv in entries])
                    for key, entries in resp or []]
         # Streams about to get their first entries go first: their requests' tasks wake
@@ -232,3 +277,39 @@ class ReplyHub:
                 sub.cursor = last
                 if sub.waiter is not None:
                     _wake(sub.waiter)
+
+
+class SlotHubs:
+    """On a Redis Cluster: one ReplyHub per slot of the keys read (a model's reply streams
+    share its slot), all on one cluster client. ReplyHub's interface."""
+
+    def __init__(self, url: str, block_ms: int = BLOCK_MS, max_connections: int = 64) -> None:
+        self.url = url
+        self.block_ms = block_ms
+        self.conn = connect_async(url, max_connections=max_connections,
+                                  socket_timeout=block_ms / 1000 + 10)
+        self._hubs: dict[int, ReplyHub] = {}
+
+    @property
+    def subscriptions(self) -> int:
+        return sum(hub.subscriptions for hub in self._hubs.values())
+
+    def subscribe(self, key: str, after: str = "0-0") -> Subscription:
+        slot = key_slot(key.encode())
+        hub = self._hubs.get(slot)
+        if hub is None:
+            hub = self._hubs[slot] = ReplyHub(self.url, self.block_ms, conn=self.conn)
+        sub = hub.subscribe(key, after)
+        sub.home = hub
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        sub.home.unsubscribe(sub)
+
+    async def next(self, sub: Subscription, timeout_s: float) -> list[Entry]:
+        return await sub.home.next(sub, timeout_s)
+
+    async def close(self) -> None:
+        for hub in self._hubs.values():
+            await hub.close()
+        await self.conn.aclose()

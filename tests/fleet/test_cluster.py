@@ -180,6 +180,54 @@ def test_the_gateway_serves_a_completion_from_a_cluster(
     assert resp.json()["choices"][0]["text"] == want[0][1]
 
 
+def test_an_async_client_waits_on_one_xread_per_slot_on_a_cluster(
+        cluster: tuple[RedisClusterSet, WorkerFactory, WorkerProcess]) -> None:
+    """60 AsyncJobs of model tiny (one slot: its hash tag) wait on one blocked XREAD on the
+    slot's node, not on one each; each gets its own result, written afterwards."""
+    import asyncio
+
+    from producer import AsyncClient
+    from producer.events import done_event, encode_event, started_event
+    from producer.protocol import REPLY_FIELD
+
+    nodes, _, _ = cluster
+    ids = [f"slot-{k}" for k in range(60)]
+    node = nodes.owner(Keys().reply(ids[0], "tiny")).client()
+
+    def blocked_reads() -> int:
+        return sum(c["cmd"] == "xread" and "b" in c["flags"] for c in node.client_list())
+
+    def finish() -> None:
+        conn = nodes.client()
+        for k, job_id in enumerate(ids):
+            for event in (started_event(1, "w"), done_event(1, [{
+                    "index": 0, "token_ids": [k], "text": "", "finish_reason": "length",
+                    "cumulative_logprob": 0.0}], {}, {})):
+                conn.xadd(Keys().reply(job_id, "tiny"), {REPLY_FIELD: encode_event(event)})
+
+    async def scenario() -> tuple[list[list[int]], int]:
+        async with AsyncClient(nodes.url) as client:
+            reads = [asyncio.ensure_future(client.job(i, "tiny").result(timeout=60))
+                     for i in ids]
+            for _ in range(3000):
+                if client.hub().subscriptions == len(ids):
+                    break
+                await asyncio.sleep(0.01)
+            blocked = -1
+            for _ in range(300):  # (readers superseded as jobs came in end within 1 s)
+                blocked = await asyncio.to_thread(blocked_reads)
+                if blocked == 1:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.to_thread(finish)
+            results = await asyncio.gather(*reads)
+            return [r["outputs"][0]["token_ids"] for r in results], blocked  # type: ignore[index]
+
+    results, blocked = asyncio.run(scenario())
+    assert results == [[k] for k in range(60)]
+    assert blocked == 1
+
+
 def test_kill_9_and_reclaim_on_a_cluster_run_each_job_once(
         cluster: tuple[RedisClusterSet, WorkerFactory, WorkerProcess], tiny_llama: Path,
         offline: Oracle) -> None:
