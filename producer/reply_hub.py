@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.crc import key_slot
+from redis.exceptions import ResponseError
 
 from producer.connection import connect_async, parse, retryable
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT
@@ -154,15 +155,8 @@ class ReplyHub:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, generation: int) -> None:
-        """One reader generation. It holds one connection of the pool for its life and sends
-        its XREADs on it directly: redis-py's per-command path (take a connection from the
-        pool, check it, give it back, the retry wrapper) costs as much CPU as the XREAD's own
-        write, and the hub sends one or two per engine step."""
-        if self.shared is not None:
-            return await self._run_on_cluster(generation)
-        pool = self.conn.connection_pool
-        conn: Any = None
-        sent = False  # an XREAD is in flight on conn (a reader cancelled then must drop it)
+        reads = _HeldConnection(self.conn.connection_pool) if self.shared is None \
+            else _ClusterReads(self.conn)
         backoff = 0.05
         try:
             while generation == self._generation:
@@ -170,30 +164,23 @@ class ReplyHub:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                streams = {key: "{}-{}".format(*min(s.cursor for s in subs))
-                           for key, subs in self._subs.items()}
+                streams: dict[Any, Any] = {key: "{}-{}".format(*min(s.cursor for s in subs))
+                                           for key, subs in self._subs.items()}
                 self._in_flight = streams
                 try:
-                    if conn is None:
-                        conn = await pool.get_connection()
-                    sent = True
-                    await conn.send_command("XREAD", "COUNT", REPLY_READ_COUNT, "BLOCK",
-                                            self.block_ms, "STREAMS", *streams, *streams.values())
-                    resp: Any = await conn.read_response()
-                    sent = False
+                    resp = await reads.xread(streams, self.block_ms)
                     backoff = 0.05
                 except Exception as exc:
-                    sent = False
-                    if retryable(exc) or isinstance(exc, OSError):
+                    lost = retryable(exc) or isinstance(exc, OSError)
+                    if lost:
                         # Redis is down, or its primary became a replica under the blocked
                         # XREAD (a failover: UNBLOCKED): connect again (to the primary Sentinel
                         # names now). Each reader times out on its own deadline (nothing can be
                         # read on now, so none is behind); retry, not spin.
-                        if conn is not None:
-                            await conn.disconnect()
-                        self._fail(None)
-                    else:  # a refusal (an ACL, a reply key that is not a stream): every
-                        self._fail(exc)  # reader raises it, rather than wait on a dead read
+                        await reads.reset()
+                    # A refusal (an ACL, a reply key that is not a stream): every reader
+                    # raises it, rather than wait on a dead read.
+                    self._fail(None if lost else exc)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
                     continue
@@ -204,38 +191,7 @@ class ReplyHub:
                     return  # (the newer reader's XREAD, sent from cursors no further on, has it)
                 self._hand_over(resp)
         finally:
-            if conn is not None:
-                if sent:  # (its answer would be read by the connection's next user)
-                    await conn.disconnect()
-                await pool.release(conn)
-
-    async def _run_on_cluster(self, generation: int) -> None:
-        """_run through the cluster client: its XREADs go to the node of their slot, and it
-        follows a slot that moves (per command: a cluster's XREAD takes the client's path)."""
-        backoff = 0.05
-        while generation == self._generation:
-            if not self._subs:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            streams: dict[Any, Any] = {key: "{}-{}".format(*min(s.cursor for s in subs))
-                                       for key, subs in self._subs.items()}
-            self._in_flight = streams
-            try:
-                resp: Any = await self.conn.xread(streams, count=REPLY_READ_COUNT,
-                                                  block=self.block_ms)
-                backoff = 0.05
-            except Exception as exc:
-                self._fail(None if retryable(exc) or isinstance(exc, OSError) else exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            finally:
-                if generation == self._generation:
-                    self._in_flight = None
-            if generation != self._generation:
-                return
-            self._hand_over(resp)
+            await reads.close()
 
     def _hand_over(self, resp: Any) -> None:
         """An XREAD's answer ([[key, [[id, [field, value, ...]], ...]], ...] or None) to the
@@ -278,6 +234,60 @@ class ReplyHub:
                 if sub.waiter is not None:
                     _wake(sub.waiter)
 
+
+
+class _HeldConnection:
+    """A reader generation's XREADs on one connection of the pool, held for its life and sent
+    on directly: redis-py's per-command path (take a connection from the pool, check it, give
+    it back, the retry wrapper) costs as much CPU as the XREAD's own write, and the hub sends
+    one or two per engine step."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.conn: Any = None
+        self.sent = False  # an XREAD is in flight (a reader cancelled then must drop it)
+
+    async def xread(self, streams: dict[Any, Any], block_ms: int) -> Any:
+        if self.conn is None:
+            self.conn = await self.pool.get_connection()
+        self.sent = True
+        await self.conn.send_command("XREAD", "COUNT", REPLY_READ_COUNT, "BLOCK", block_ms,
+                                     "STREAMS", *streams, *streams.values())
+        try:
+            resp = await self.conn.read_response()
+        except ResponseError:  # (an error answer, read whole: the connection is clean)
+            self.sent = False
+            raise
+        self.sent = False
+        return resp
+
+    async def reset(self) -> None:
+        self.sent = False
+        if self.conn is not None:
+            await self.conn.disconnect()  # (the next send connects again)
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            if self.sent:  # (its answer would be read by the connection's next user)
+                await self.conn.disconnect()
+            await self.pool.release(self.conn)
+
+
+class _ClusterReads:
+    """XREADs through the cluster client: to the node of their slot, following a slot that
+    moves (per command: a cluster's XREAD takes the client's path)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    async def xread(self, streams: dict[Any, Any], block_ms: int) -> Any:
+        return await self.conn.xread(streams, count=REPLY_READ_COUNT, block=block_ms)
+
+    async def reset(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
 class SlotHubs:
     """On a Redis Cluster: one ReplyHub per slot of the keys read (a model's reply streams
