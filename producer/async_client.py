@@ -21,10 +21,11 @@ from producer.client import (
 from producer.errors import JobError, ResultExpired
 from producer.events import ClientEvent, DoneEvent
 from producer.protocol import SUBMIT_LUA, JobSpec, as_str, job_model
-from producer.reply_hub import ReplyHub, SlotHubs, Subscription, reply_hub
+from producer.reply_hub import ReplyHub, Subscription
 from producer.reply_reader import REPLY_READ_COUNT, ReplyReader, result_from_events
 from producer.results import reply_expired_async
 from producer.shards import sharded_job_id
+from producer.slot_hubs import SlotHubs, reply_hub
 
 
 def connect_async(url: str) -> aioredis.Redis:

@@ -46,7 +46,8 @@ from producer.limits import Limits, check_job_bytes, check_limits
 from producer.openai_choices import Choices
 from producer.openai_schema import GatewayError
 from producer.protocol import DEFAULT_PREFIX, Keys, ProtocolError, encode_job_entry
-from producer.reply_hub import ReplyHub, SlotHubs, reply_hub
+from producer.reply_hub import ReplyHub
+from producer.slot_hubs import SlotHubs, reply_hub
 
 JOB_ID_HEADER = "Genq-Job-Id"
 RESUMABLE_HEADER = "Genq-Resumable"  # "1" / "true": `id:` lines on a stream that did not resume

@@ -30,10 +30,11 @@ from producer.protocol import (
     Keys,
     ProtocolError,
 )
-from producer.reply_hub import ReplyHub, SlotHubs, Subscription
+from producer.reply_hub import ReplyHub, Subscription
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, ReplyReader, entry_key
 from producer.results import reply_expired_async
 from producer.shards import ShardCounts, sharded_job_id
+from producer.slot_hubs import SlotHubs
 
 # A job's error code -> (HTTP status, OpenAI error type).
 _ERROR_STATUS: dict[str, tuple[int, str]] = {

@@ -13,8 +13,8 @@ drops anything it already has). No Redis command beyond XREAD is needed. Of one 
 streams, those getting their first entries are handed over first.
 
 On a Redis Cluster one XREAD may not cross slots, but a model's reply streams share its slot
-(the hash tag of its name, producer/keys.py): `SlotHubs` keeps one hub per slot, all on one
-cluster client, whose XREADs go through the client (it follows a slot that moves).
+(the hash tag of its name, producer/keys.py): producer/slot_hubs.py keeps one hub per slot, all
+on one cluster client, whose XREADs go through the client (it follows a slot that moves).
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
-from producer.connection import connect_async, parse, retryable
+from producer.connection import connect_async, retryable
 from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT
 
 Entry = tuple[Any, Any]  # (entry id, fields) as XREAD gives them
@@ -46,7 +45,7 @@ class Subscription:
     waiter: asyncio.Future[None] | None = None  # next()'s, while it waits
     behind: bool = False  # the last XREAD of its key came back full: more may wait in Redis
     error: Exception | None = None  # the reader's XREAD was refused: next() raises it
-    home: Any = None  # on a cluster, the hub of its slot (SlotHubs)
+    home: Any = None  # on a cluster, the hub of its slot (producer/slot_hubs.py)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -54,16 +53,11 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def reply_hub(url: str) -> ReplyHub | SlotHubs:
-    """The shared reader for the Redis at `url`: one hub, or on a cluster one per slot."""
-    return SlotHubs(url) if parse(url).is_cluster else ReplyHub(url)
-
-
 class ReplyHub:
     def __init__(self, url: str, block_ms: int = BLOCK_MS, max_connections: int = 64,
                  conn: Any = None) -> None:
-        """`conn`: a cluster client to share (SlotHubs'; closed by its owner); None: a pool
-        of its own, whose connections each reader generation holds."""
+        """`conn`: a cluster client to share (producer/slot_hubs.py's; closed by its owner);
+        None: a pool of its own, whose connections each reader generation holds."""
         self.shared = conn
         self.conn = conn if conn is not None else connect_async(
             url, max_connections=max_connections, socket_timeout=block_ms / 1000 + 10)
@@ -288,38 +282,3 @@ class _ClusterReads:
 
     async def close(self) -> None:
         pass
-
-class SlotHubs:
-    """On a Redis Cluster: one ReplyHub per slot of the keys read (a model's reply streams
-    share its slot), all on one cluster client. ReplyHub's interface."""
-
-    def __init__(self, url: str, block_ms: int = BLOCK_MS, max_connections: int = 64) -> None:
-        self.url = url
-        self.block_ms = block_ms
-        self.conn = connect_async(url, max_connections=max_connections,
-                                  socket_timeout=block_ms / 1000 + 10)
-        self._hubs: dict[int, ReplyHub] = {}
-
-    @property
-    def subscriptions(self) -> int:
-        return sum(hub.subscriptions for hub in self._hubs.values())
-
-    def subscribe(self, key: str, after: str = "0-0") -> Subscription:
-        slot = key_slot(key.encode())
-        hub = self._hubs.get(slot)
-        if hub is None:
-            hub = self._hubs[slot] = ReplyHub(self.url, self.block_ms, conn=self.conn)
-        sub = hub.subscribe(key, after)
-        sub.home = hub
-        return sub
-
-    def unsubscribe(self, sub: Subscription) -> None:
-        sub.home.unsubscribe(sub)
-
-    async def next(self, sub: Subscription, timeout_s: float) -> list[Entry]:
-        return await sub.home.next(sub, timeout_s)
-
-    async def close(self) -> None:
-        for hub in self._hubs.values():
-            await hub.close()
-        await self.conn.aclose()
