@@ -229,7 +229,6 @@ class ReplyHub:
                     _wake(sub.waiter)
 
 
-
 class _HeldConnection:
     """A reader generation's XREADs on one connection of the pool, held for its life and sent
     on directly: redis-py's per-command path (take a connection from the pool, check it, give
