@@ -26,15 +26,9 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from producer.connection import connect_async, retryable
-from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT
+from producer.reply_reader import BLOCK_MS, REPLY_READ_COUNT, entry_key
 
 Entry = tuple[Any, Any]  # (entry id, fields) as XREAD gives them
-
-
-def entry_key(entry_id: str | bytes) -> tuple[int, int]:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
 
 
 @dataclass(eq=False)

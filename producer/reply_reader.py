@@ -53,9 +53,11 @@ _EXPIRY_CHECK_MAX_S = 30.0
 Entry = tuple[bytes | str, Any]  # (entry id, fields) as XREAD returns them
 
 
-def entry_key(entry_id: str) -> tuple[int, int]:
-    """A stream entry id "<ms>-<seq>" as a pair that orders like the stream."""
-    ms, _, seq = entry_id.partition("-")
+def entry_key(entry_id: str | bytes) -> tuple[int, int]:
+    """A stream entry id "<ms>-<seq>" (as text, or as Redis answers it) as a pair that orders
+    like the stream."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)
 
 

@@ -13,7 +13,7 @@ import pytest
 from producer import AsyncClient, Client, JobError
 from producer.events import done_event, encode_event, error_event, started_event, tokens_event
 from producer.protocol import REPLY_FIELD, Keys, ProtocolError, decode_job_entry
-from tests.harness.fleet import REPO, RedisServer, wait_for
+from tests.harness.fleet import REPO, RedisServer, blocked_xreads, wait_for
 
 KEYS = Keys(model="tiny")  # (the jobs of the replies here: model tiny's)
 
@@ -173,9 +173,8 @@ def test_a_read_its_server_unblocks_reads_on(redis_server: RedisServer, how: str
             got.append(exc)
 
     def unblock() -> bool:
-        blocked = [c["id"] for c in conn.client_list() if c["cmd"] == "xread"
-                   and "b" in c["flags"]]
-        return any([conn.client_unblock(client_id, error=True) for client_id in blocked])
+        return any([conn.client_unblock(client_id, error=True)
+                    for client_id in blocked_xreads(conn)])
 
     reader = threading.Thread(target=read)
     reader.start()
@@ -210,7 +209,7 @@ def test_300_jobs_submitted_and_read_at_once_by_an_async_client(
     conn = redis_server.client()
 
     def blocked_reads() -> int:
-        return sum(c["cmd"] == "xread" and "b" in c["flags"] for c in conn.client_list())
+        return len(blocked_xreads(conn))
 
     async def scenario() -> tuple[list[list[int]], tuple[int, int]]:
         async with AsyncClient(redis_server.url) as client:

@@ -28,6 +28,7 @@ from tests.harness.fleet import (
     WorkerFactory,
     WorkerProcess,
     as_expected,
+    blocked_xreads,
     freeze_when,
     reply_events,
     streamed_tokens,
@@ -195,7 +196,7 @@ def test_an_async_client_waits_on_one_xread_per_slot_on_a_cluster(
     node = nodes.owner(Keys().reply(ids[0], "tiny")).client()
 
     def blocked_reads() -> int:
-        return sum(c["cmd"] == "xread" and "b" in c["flags"] for c in node.client_list())
+        return len(blocked_xreads(node))
 
     def finish() -> None:
         conn = nodes.client()

@@ -12,7 +12,7 @@ import pytest
 from redis.exceptions import ResponseError
 
 from producer.reply_hub import ReplyHub
-from tests.harness.fleet import RedisServer
+from tests.harness.fleet import RedisServer, blocked_xreads
 
 
 def ids(batch: list[tuple[bytes, dict[bytes, bytes]]]) -> list[bytes]:
@@ -203,8 +203,7 @@ def test_an_unblocked_xread_is_read_again_not_raised(redis_server: RedisServer) 
     conn = redis_server.client()
 
     def unblock_the_hub() -> int:
-        blocked = [c["id"] for c in conn.client_list() if c["cmd"] == "xread"
-                   and "b" in c["flags"]]
+        blocked = blocked_xreads(conn)
         for client_id in blocked:
             conn.client_unblock(client_id, error=True)
         return len(blocked)

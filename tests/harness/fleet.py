@@ -215,6 +215,11 @@ def freeze_when(worker: WorkerProcess, predicate: Callable[[], object], what: st
     worker.proc.send_signal(signal.SIGSTOP)
 
 
+def blocked_xreads(conn: Any) -> list[int]:
+    """The client ids of the XREADs blocked on the server `conn` talks to (CLIENT LIST)."""
+    return [c["id"] for c in conn.client_list() if c["cmd"] == "xread" and "b" in c["flags"]]
+
+
 def wait_for(predicate: Callable[[], T], timeout: float = MIN_WAIT_S, interval: float = 0.05,
              what: str = "condition") -> T:
     """predicate()'s first truthy value, polled every `interval` s; an AssertionError after
